@@ -1,0 +1,188 @@
+"""Checkpoint directory layout, metadata and listing — torch-free (docs/contracts.md).
+
+The supervisor imports this module to find "last good" checkpoints, so it must not import
+torch or megatron. The save/load of tensors lives in `megatron_runs.dist_ckpt`.
+
+Layout: `<dir>/iter_0000100/` published by renaming `<dir>/.tmp_iter_0000100/` after its
+`nightwatch.json` (sizes of every file) is written and checked; `<dir>/latest` (step as text)
+is replaced last. A directory is a candidate only when its metadata says complete and every
+listed file still has its recorded size, so a truncated or half-copied checkpoint is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+META_NAME = "nightwatch.json"
+LATEST_NAME = "latest"
+_PREFIX = "iter_"
+_TMP_PREFIX = ".tmp_iter_"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    consumed_samples: int
+    loss: float | None
+    saved_at: float
+    layout: dict[str, int]
+    complete: bool
+    problem: str | None = None
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"{_PREFIX}{step:07d}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"{_TMP_PREFIX}{step:07d}"
+
+
+def file_sizes(ckpt: Path) -> dict[str, int]:
+    """Sizes of every file under a checkpoint directory except the metadata itself."""
+    out = {}
+    for p in sorted(Path(ckpt).rglob("*")):
+        if p.is_file() and p.name != META_NAME:
+            out[str(p.relative_to(ckpt))] = p.stat().st_size
+    return out
+
+
+def write_meta(
+    ckpt: Path,
+    step: int,
+    consumed_samples: int,
+    loss: float | None,
+    layout: dict[str, int],
+    saved_at: float | None = None,
+) -> dict:
+    meta = {
+        "step": step,
+        "consumed_samples": consumed_samples,
+        "loss": loss if loss is None or loss == loss else None,
+        "saved_at": time.time() if saved_at is None else saved_at,
+        "layout": layout,
+        "complete": True,
+        "files": file_sizes(ckpt),
+    }
+    tmp = Path(ckpt) / (META_NAME + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
+    os.replace(tmp, Path(ckpt) / META_NAME)
+    return meta
+
+
+def verify(ckpt: Path) -> str | None:
+    """None when the checkpoint is complete, else what is wrong with it."""
+    meta_path = Path(ckpt) / META_NAME
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        return f"{META_NAME} missing"
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"{META_NAME} unreadable: {exc}"
+    if meta.get("complete") is not True:
+        return "not marked complete"
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        return "no file list"
+    for rel, size in files.items():
+        p = Path(ckpt) / rel
+        try:
+            actual = p.stat().st_size
+        except FileNotFoundError:
+            return f"{rel} missing"
+        if actual != size:
+            return f"{rel} has {actual} bytes, expected {size}"
+    return None
+
+
+def read_info(ckpt: Path) -> CheckpointInfo | None:
+    """Metadata of one `iter_*` directory (complete or not); None if it is not one."""
+    ckpt = Path(ckpt)
+    if not ckpt.name.startswith(_PREFIX):
+        return None
+    try:
+        step = int(ckpt.name[len(_PREFIX) :])
+    except ValueError:
+        return None
+    problem = verify(ckpt)
+    try:
+        meta = json.loads((ckpt / META_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        meta = {}
+    return CheckpointInfo(
+        step=step,
+        path=ckpt,
+        consumed_samples=int(meta.get("consumed_samples", -1)),
+        loss=meta.get("loss"),
+        saved_at=float(meta.get("saved_at", 0.0)),
+        layout=dict(meta.get("layout", {})),
+        complete=problem is None,
+        problem=problem,
+    )
+
+
+def list_checkpoints(root: Path | str, include_incomplete: bool = False) -> list[CheckpointInfo]:
+    """Checkpoints under `root`, oldest first; only complete ones unless asked otherwise."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    infos = [read_info(p) for p in root.iterdir() if p.is_dir()]
+    found = [i for i in infos if i is not None and (include_incomplete or i.complete)]
+    return sorted(found, key=lambda i: i.step)
+
+
+def newest_complete(root: Path | str, at_most: int | None = None) -> CheckpointInfo | None:
+    """The newest complete checkpoint (at or before `at_most` when given)."""
+    cands = [c for c in list_checkpoints(root) if at_most is None or c.step <= at_most]
+    return cands[-1] if cands else None
+
+
+def read_latest(root: Path | str) -> int | None:
+    try:
+        return int((Path(root) / LATEST_NAME).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def publish(root: Path, step: int) -> Path:
+    """Rename the verified temp dir into place, then replace `latest` (written last)."""
+    root = Path(root)
+    src, dst = tmp_dir(root, step), step_dir(root, step)
+    problem = verify(src)
+    if problem:
+        raise RuntimeError(f"refusing to publish checkpoint {src}: {problem}")
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(src, dst)
+    latest_tmp = root / (LATEST_NAME + ".tmp")
+    latest_tmp.write_text(str(step))
+    os.replace(latest_tmp, root / LATEST_NAME)
+    return dst
+
+
+def retain(root: Path | str, keep_last: int, protect: set[int] | None = None) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints; return what was removed.
+
+    Incomplete directories older than the newest complete one and stale temp dirs go too.
+    """
+    root = Path(root)
+    protect = protect or set()
+    complete = list_checkpoints(root)
+    keep = {c.step for c in complete[-keep_last:]} | protect
+    newest = complete[-1].step if complete else -1
+    removed = []
+    for info in list_checkpoints(root, include_incomplete=True):
+        if info.step in keep or (not info.complete and info.step > newest):
+            continue
+        shutil.rmtree(info.path, ignore_errors=True)
+        removed.append(info.path)
+    for stale in root.glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+        removed.append(stale)
+    return removed

@@ -1,0 +1,88 @@
+"""Fault injection, driven only by the spec's `faults` section (test use).
+
+Each fault is tied to its cause, so only the right remedy cures it:
+* poison_data: samples [start, end) turn into garbage (loss spike) or NaN loss each time they
+  are read — it recurs until a rollback skips those global sample indices;
+* node: a sick node (by node name) yields NaN gradients, hangs, runs slow, or crashes on every
+  step from `after_step` on — it recurs on every attempt until the node is excluded;
+* crash: one process crash at a step, in attempt 0 only, so a restart does not meet it again;
+* corrupt_checkpoint: the checkpoint published at that step is truncated (attempt 0 only).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_runs import exitcodes
+from supervisor.spec import CorruptCheckpointFault, CrashFault, NodeFault, PoisonDataFault, RunSpec
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The faults that apply to this process (node already resolved)."""
+
+    poison: tuple[PoisonDataFault, ...]
+    node: tuple[NodeFault, ...]
+    crash: tuple[CrashFault, ...]
+    corrupt: tuple[CorruptCheckpointFault, ...]
+
+    @classmethod
+    def for_process(cls, spec: RunSpec, node: str, rank: int, attempt: int) -> Faults:
+        fs = spec.faults
+        return cls(
+            poison=tuple(f for f in fs if isinstance(f, PoisonDataFault)),
+            node=tuple(f for f in fs if isinstance(f, NodeFault) and f.node == node),
+            crash=tuple(
+                f for f in fs if isinstance(f, CrashFault) and f.rank == rank and attempt == 0
+            ),
+            corrupt=tuple(f for f in fs if isinstance(f, CorruptCheckpointFault) and attempt == 0),
+        )
+
+    def poison_effect(self, sample: int) -> str | None:
+        """"spike" / "nan" when a poisoned window covers this global sample index."""
+        for f in self.poison:
+            if f.start_sample <= sample < f.end_sample:
+                return f.effect
+        return None
+
+    def node_effects(self, step: int) -> set[str]:
+        return {f.effect for f in self.node if step >= f.after_step}
+
+    def slow_factor(self) -> float:
+        return max((f.slow_factor for f in self.node if f.effect == "slow"), default=1.0)
+
+    def before_step(self, step: int) -> None:
+        """Crash or hang here when a fault says so (called at the start of each step)."""
+        effects = self.node_effects(step)
+        if any(f.step == step for f in self.crash) or "crash" in effects:
+            print(f'{{"event": "injected_crash", "step": {step}}}', file=sys.stderr, flush=True)
+            os._exit(exitcodes.INJECTED_CRASH)
+        if "hang" in effects:
+            print(f'{{"event": "injected_hang", "step": {step}}}', file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+
+    def slow_delay(self, step: int, busy_seconds: float) -> float:
+        """Extra seconds a slow node spends on this step (its step takes × slow_factor)."""
+        if "slow" not in self.node_effects(step):
+            return 0.0
+        return (self.slow_factor() - 1.0) * busy_seconds
+
+    def nan_grads(self, step: int) -> bool:
+        return "nan_grads" in self.node_effects(step)
+
+    def corrupt_after_publish(self, step: int, ckpt: Path) -> Path | None:
+        """Truncate the largest file of the checkpoint of `step`; return it if done."""
+        if not any(f.step == step for f in self.corrupt):
+            return None
+        files = [p for p in Path(ckpt).rglob("*") if p.is_file() and p.name != "nightwatch.json"]
+        if not files:
+            return None
+        victim = max(files, key=lambda p: p.stat().st_size)
+        with victim.open("r+b") as fh:
+            fh.truncate(victim.stat().st_size // 2)
+        return victim

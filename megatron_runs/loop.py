@@ -1,0 +1,364 @@
+"""The training loop proper: setup, step, checkpoint, signals (imported lazily by `train`).
+
+Every rank runs this. One small all-reduce per step carries the loss, the stop request
+(USR2/TERM seen by any rank) and the node step times, so all ranks agree on what happened and
+stop at the same step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_runs import cpu_compat
+
+CPU = cpu_compat.apply()
+
+import torch  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
+
+from megatron_runs import dist_ckpt, exitcodes, replicas  # noqa: E402
+from megatron_runs.data import MicroBatch, TokenStream, build_microbatches, to_device  # noqa: E402
+from megatron_runs.data_prep import prepare  # noqa: E402
+from megatron_runs.faults import Faults  # noqa: E402
+from megatron_runs.metrics import StepReport, TrainMetrics  # noqa: E402
+from megatron_runs.model import build_gpt, transformer_config  # noqa: E402
+from megatron_runs.sampling import rank_slice, take_step  # noqa: E402
+from megatron_runs.schedule import flops_per_token, lr_at, peak_flops  # noqa: E402
+from megatron_runs.train import TrainContext, TrainResult, nightwatch_home  # noqa: E402
+from supervisor.spec import RunSpec  # noqa: E402
+
+REPLICA_CHECK_EVERY = 10
+
+
+class _Log:
+    """JSON-lines log on stderr, with run_id / attempt / job_id on every line."""
+
+    def __init__(self, ctx: TrainContext, rank: int) -> None:
+        self.base = {
+            "run_id": ctx.run_id,
+            "attempt": ctx.attempt,
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "node": ctx.node,
+            "rank": rank,
+        }
+        self.rank = rank
+
+    def __call__(self, event: str, all_ranks: bool = False, **fields: object) -> None:
+        if self.rank == 0 or all_ranks:
+            line = {"ts": round(time.time(), 3), "event": event, **self.base, **fields}
+            print(json.dumps(line, default=str), file=sys.stderr, flush=True)
+
+
+class _StopFlag:
+    """Set by USR2/TERM; acted on at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, _frame: object) -> None:
+        self.signum = signum
+
+
+def _init_distributed() -> tuple[int, int, int, torch.device]:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if CPU:
+        device = torch.device("cpu")
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=backend, rank=rank, world_size=world, device_id=None if CPU else device
+        )
+    return rank, world, local_rank, device
+
+
+def _data_prefix(spec: RunSpec) -> str:
+    if spec.data.prefix:
+        return spec.data.prefix
+    return prepare(None, nightwatch_home() / "data", spec.model.vocab_size).prefix
+
+
+def _build_model(spec: RunSpec, bf16: bool) -> tuple[list, object]:
+    config = transformer_config(
+        spec, torch.bfloat16 if bf16 else torch.float32, use_cpu_init=True
+    )
+    model = build_gpt(
+        spec, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    )
+    if not CPU:
+        model.cuda(torch.cuda.current_device())
+    if bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=spec.parallelism.distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    ddp.broadcast_params()
+    return [ddp], config
+
+
+def _build_optimizer(spec: RunSpec, model: list, bf16: bool) -> object:
+    t = spec.training
+    cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        clip_grad=t.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=spec.parallelism.distributed_optimizer,
+        # A constant scale of 1 turns on Megatron's found-inf check: a step whose grads hold
+        # NaN/Inf is skipped instead of writing NaN into the weights.
+        loss_scale=1.0,
+    )
+    return get_megatron_optimizer(cfg, model)
+
+
+def _set_lr(optimizer: object, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+
+
+def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:  # noqa: C901 - one readable loop
+    rank, world, local_rank, device = _init_distributed()
+    p = spec.parallelism
+    if p.virtual_pipeline:
+        raise ValueError("virtual pipeline stages are not supported by megatron_runs yet")
+    if world != p.world_size:
+        raise ValueError(f"WORLD_SIZE {world} != tensor×pipeline×data {p.world_size}")
+    ps.initialize_model_parallel(p.tensor, p.pipeline)
+    log = _Log(ctx, rank)
+    t = spec.training
+    torch.manual_seed(t.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
+    bf16 = spec.model.precision == "bf16" and not CPU
+    stream = TokenStream(_data_prefix(spec), spec.model.seq_length)
+    model, config = _build_model(spec, bf16)
+    optimizer = _build_optimizer(spec, model, bf16)
+    faults = Faults.for_process(spec, ctx.node, rank, ctx.attempt)
+    current = [0]  # the step being computed, for the NaN-grad hook
+    _hook_finalize(config, model, faults, current)
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model[0].no_sync
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    layout = {"tensor": p.tensor, "pipeline": p.pipeline, "data": dp_size}
+    root = Path(ctx.checkpoint_dir)
+
+    step, cursor = 0, 0
+    info = dist_ckpt.choose(root, ctx.resume_step)
+    if info is not None:
+        t0 = time.perf_counter()
+        loaded = dist_ckpt.load(model, optimizer, info)
+        step, cursor = loaded.step, loaded.consumed_samples
+        log("checkpoint_loaded", step=step, path=str(info.path), seconds=time.perf_counter() - t0)
+
+    metrics = None
+    if ctx.metrics_port is not None and local_rank == 0:
+        metrics = TrainMetrics(ctx.run_id, ctx.attempt, ctx.node, run_level=rank == 0)
+        host = os.environ.get("NIGHTWATCH_METRICS_HOST", "127.0.0.1")
+        port = metrics.serve(host, ctx.metrics_port)
+        metrics.start(t.train_steps, step, cursor)
+        metrics.set_up(True)
+        if ctx.on_metrics_ready is not None:
+            ctx.on_metrics_ready(host, port)
+        log("metrics_ready", all_ranks=True, host=host, port=port)
+
+    stop = _StopFlag()
+    stop.install()
+    fwd_bwd = get_forward_backward_func()
+    last_stage_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp_size)
+    tokens_per_step = t.global_batch_size * spec.model.seq_length
+    peak = peak_flops(device) * world
+    flops_step = flops_per_token(spec) * tokens_per_step
+    losses: list[float] = []
+    last_loss = math.nan
+    exit_code = exitcodes.OK
+    target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
+    log("train_start", step=step, cursor=cursor, target=target, layout=layout, cpu=CPU)
+
+    while step < target:
+        step_start = time.perf_counter()
+        next_step = step + 1
+        faults.before_step(next_step)
+        lr = lr_at(next_step, t)
+        _set_lr(optimizer, lr)
+        taken = take_step(cursor, t.global_batch_size, ctx.skip_ranges)
+        mine = rank_slice(taken.indices, dp_rank, dp_size)
+        batches = build_microbatches(
+            stream, mine, t.micro_batch_size, t.seed, spec.model.vocab_size, faults.poison_effect
+        )
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        current[0] = next_step
+        out = fwd_bwd(
+            forward_step_func=_forward_step,
+            data_iterator=to_device(batches, device),
+            model=model,
+            num_microbatches=num_micro,
+            seq_length=spec.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            decoder_seq_length=spec.model.seq_length,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = optimizer.step()
+        busy = time.perf_counter() - step_start
+        delay = faults.slow_delay(next_step, busy)
+        if delay:
+            time.sleep(delay)
+            busy += delay
+        loss_sum = sum(float(d["lm loss"]) for d in out) if last_stage_reporter else 0.0
+        stats = torch.tensor(
+            [loss_sum, float(len(out)) if last_stage_reporter else 0.0, float(stop.signum)],
+            dtype=torch.float64,
+            device=device,
+        )
+        torch.distributed.all_reduce(stats)
+        loss = float(stats[0] / stats[1]) if stats[1] > 0 else math.nan
+        stop_requested = stats[2] > 0
+        norm = float(grad_norm) if ok and grad_norm is not None else math.nan
+        step, cursor = next_step, taken.next_cursor
+        last_loss = loss
+        losses.append(loss)
+        wall = time.perf_counter() - step_start
+        if metrics is not None:
+            metrics.on_step(
+                StepReport(
+                    step=step,
+                    loss=loss,
+                    grad_norm=norm,
+                    lr=lr,
+                    tokens=tokens_per_step,
+                    samples_consumed=cursor,
+                    skipped=taken.skipped,
+                    step_time=wall,
+                    node_step_time=busy,
+                    mfu=flops_step / (wall * peak) if peak else 0.0,
+                )
+            )
+        if step % t.log_interval == 0 or not ok:
+            log(
+                "step",
+                step=step,
+                loss=loss,
+                grad_norm=norm,
+                lr=lr,
+                skipped_update=not ok,
+                step_time=round(wall, 4),
+                consumed=cursor,
+            )
+        if step % REPLICA_CHECK_EVERY == 0:
+            mismatch = replicas.check(model, device)
+            if metrics is not None:
+                metrics.on_replica_check(mismatch)
+            if mismatch:
+                log("replica_mismatch", step=step)
+        final = step >= target or stop_requested
+        if step % spec.checkpoint.interval_steps == 0 or final:
+            _checkpoint(spec, model, optimizer, root, step, cursor, loss, layout, metrics, faults, log)
+        if stop_requested:
+            log("stopping_on_signal", step=step, signal=int(stats[2]))
+            exit_code = exitcodes.REQUEUE
+            break
+
+    if metrics is not None:
+        metrics.set_up(False)
+    log("train_end", step=step, loss=last_loss, exit_code=exit_code)
+    return TrainResult(
+        exit_code=exit_code, final_step=step, consumed_samples=cursor, losses=losses
+    )
+
+
+def _forward_step(data_iterator: object, model: object) -> tuple[torch.Tensor, Callable]:
+    """One microbatch: per-token losses out, a loss function that weights them."""
+    b: MicroBatch = next(data_iterator)
+    per_token = model(b.tokens, b.position_ids, None, labels=b.labels)
+
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        weighted = output.float().reshape(-1) * b.loss_mask.reshape(-1)
+        loss = weighted.sum() / b.loss_mask.numel()
+        # The schedule divides the returned loss in place: report a detached copy.
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return per_token, loss_func
+
+
+def _hook_finalize(config: object, model: list, faults: Faults, current: list[int]) -> None:
+    """Grad reduction, with injected NaN grads on a sick node before they are reduced."""
+
+    def finalize(*args: object, **kwargs: object) -> None:
+        if faults.nan_grads(current[0]):
+            for chunk in model:
+                for buf in chunk.buffers:
+                    buf.grad_data.view(-1)[0] = math.nan
+        finalize_model_grads(*args, **kwargs)
+
+    config.finalize_model_grads_func = finalize
+
+
+def _checkpoint(
+    spec: RunSpec,
+    model: list,
+    optimizer: object,
+    root: Path,
+    step: int,
+    cursor: int,
+    loss: float,
+    layout: dict,
+    metrics: TrainMetrics | None,
+    faults: Faults,
+    log: _Log,
+) -> None:
+    t0 = time.perf_counter()
+    try:
+        path = dist_ckpt.save(
+            model, optimizer, root, step, cursor, loss, layout, spec.checkpoint.keep_last
+        )
+    except Exception as exc:  # a failed save is reported; the run goes on (retry next interval)
+        if metrics is not None:
+            metrics.on_checkpoint(step, time.perf_counter() - t0, ok=False)
+        log("checkpoint_failed", all_ranks=True, step=step, error=repr(exc))
+        return
+    duration = time.perf_counter() - t0
+    if metrics is not None:
+        metrics.on_checkpoint(step, duration, ok=True)
+    log("checkpoint_saved", step=step, path=str(path), seconds=round(duration, 3))
+    if torch.distributed.get_rank() == 0:
+        victim = faults.corrupt_after_publish(step, path)
+        if victim is not None:
+            log("injected_checkpoint_corruption", step=step, file=str(victim))

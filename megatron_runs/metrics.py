@@ -1,0 +1,156 @@
+"""Prometheus metrics of a training process (names and labels pinned in docs/contracts.md).
+
+One endpoint per node, served by its local rank 0 from an own `CollectorRegistry`. Every node
+exports its own step progress and step time (stragglers show up per node); only global rank
+0's node exports run-level values (loss, grad norm, checkpoints, …), so no series is
+duplicated or stale. Trailing-window gauges (max/min loss, max grad norm, mean step time over
+the last 16 steps) make a single bad step visible even when it falls between two scrapes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+WINDOW = 16
+_LABELS = ("run_id", "attempt", "node")
+_P = "nightwatch_train_"
+
+NODE_METRICS = {
+    "step": ("gauge", "last completed step"),
+    "last_step_timestamp_seconds": ("gauge", "unix time the last step finished"),
+    "steps": ("counter", "steps completed by this process"),
+    "step_time_seconds": ("gauge", "this node's last step wall time"),
+    "step_time_window_avg_seconds": ("gauge", "mean step time over the last 16 steps"),
+    "up": ("gauge", "1 while the training loop runs"),
+}
+RUN_METRICS = {
+    "target_steps": ("gauge", "train_steps of the spec"),
+    "loss": ("gauge", "loss of the last step"),
+    "loss_sum": ("counter_raw", "sum of losses"),
+    "loss_window_max": ("gauge", "max loss over the last 16 steps"),
+    "loss_window_min": ("gauge", "min loss over the last 16 steps"),
+    "grad_norm": ("gauge", "grad norm of the last step"),
+    "grad_norm_window_max": ("gauge", "max grad norm over the last 16 steps"),
+    "nonfinite_steps": ("counter", "steps with NaN/Inf loss or grad norm"),
+    "learning_rate": ("gauge", "learning rate of the last step"),
+    "tokens": ("counter", "tokens consumed"),
+    "samples_consumed": ("gauge", "global sample index consumed so far"),
+    "skipped_samples": ("counter", "samples skipped by skip ranges"),
+    "tokens_per_second": ("gauge", "tokens per second of the last step"),
+    "mfu_ratio": ("gauge", "model FLOPs utilisation (0-1; 0 on CPU)"),
+    "checkpoint_step": ("gauge", "step of the newest published checkpoint"),
+    "checkpoint_last_timestamp_seconds": ("gauge", "when it was published"),
+    "checkpoint_duration_seconds": ("gauge", "how long the last save took"),
+    "checkpoint_failures": ("counter", "failed saves"),
+    "replica_checks": ("counter", "replica checksum comparisons made"),
+    "replica_mismatches": ("counter", "comparisons where replicas differed"),
+}
+
+
+def metric_names(run_level: bool = True) -> list[str]:
+    """Exposed sample names (counters with `_total`, except `loss_sum`)."""
+    table = {**NODE_METRICS, **(RUN_METRICS if run_level else {})}
+    return [_P + k + ("_total" if kind == "counter" else "") for k, (kind, _) in table.items()]
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    samples_consumed: int
+    skipped: int
+    step_time: float
+    node_step_time: float
+    mfu: float
+
+
+class TrainMetrics:
+    """Holds this process's series; `run_level` only on global rank 0."""
+
+    def __init__(self, run_id: str, attempt: int, node: str, run_level: bool) -> None:
+        self.registry = CollectorRegistry()
+        self.run_level = run_level
+        labels = {"run_id": run_id, "attempt": str(attempt), "node": node}
+        self._m: dict[str, object] = {}
+        table = {**NODE_METRICS, **(RUN_METRICS if run_level else {})}
+        for name, (kind, doc) in table.items():
+            # loss_sum is monotonic but named without `_total` by the contract: a Gauge
+            # keeps the exact name (a Counter would be exposed as `..._sum_total`).
+            cls = Counter if kind == "counter" else Gauge
+            metric = cls(_P + name, doc, _LABELS, registry=self.registry)
+            self._m[name] = metric.labels(**labels)
+        self._losses: deque[float] = deque(maxlen=WINDOW)
+        self._norms: deque[float] = deque(maxlen=WINDOW)
+        self._times: deque[float] = deque(maxlen=WINDOW)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint; return the bound port (port 0 → ephemeral)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_address[1])
+
+    def set_up(self, up: bool) -> None:
+        self._m["up"].set(1 if up else 0)
+
+    def start(self, target_steps: int, step: int, samples_consumed: int) -> None:
+        self._m["step"].set(step)
+        if self.run_level:
+            self._m["target_steps"].set(target_steps)
+            self._m["samples_consumed"].set(samples_consumed)
+
+    def on_step(self, r: StepReport) -> None:
+        m = self._m
+        m["step"].set(r.step)
+        m["last_step_timestamp_seconds"].set(time.time())
+        m["steps"].inc()
+        self._times.append(r.node_step_time)
+        m["step_time_seconds"].set(r.node_step_time)
+        m["step_time_window_avg_seconds"].set(sum(self._times) / len(self._times))
+        if not self.run_level:
+            return
+        finite = math.isfinite(r.loss) and math.isfinite(r.grad_norm)
+        m["loss"].set(r.loss)
+        m["grad_norm"].set(r.grad_norm)
+        if not finite:
+            m["nonfinite_steps"].inc()
+        if math.isfinite(r.loss):
+            m["loss_sum"].inc(r.loss)
+        # Windows keep NaN/Inf out of max/min (a NaN poisons comparisons), but an Inf loss
+        # is kept as the max so it stays visible for the whole window.
+        self._losses.append(r.loss if not math.isnan(r.loss) else -math.inf)
+        self._norms.append(r.grad_norm if not math.isnan(r.grad_norm) else -math.inf)
+        m["loss_window_max"].set(max(self._losses))
+        finite_losses = [x for x in self._losses if math.isfinite(x)]
+        m["loss_window_min"].set(min(finite_losses) if finite_losses else math.nan)
+        m["grad_norm_window_max"].set(max(self._norms))
+        m["learning_rate"].set(r.lr)
+        m["tokens"].inc(r.tokens)
+        m["samples_consumed"].set(r.samples_consumed)
+        if r.skipped:
+            m["skipped_samples"].inc(r.skipped)
+        m["tokens_per_second"].set(r.tokens / r.step_time if r.step_time > 0 else 0.0)
+        m["mfu_ratio"].set(r.mfu)
+
+    def on_checkpoint(self, step: int, duration: float, ok: bool) -> None:
+        if not self.run_level:
+            return
+        if ok:
+            self._m["checkpoint_step"].set(step)
+            self._m["checkpoint_last_timestamp_seconds"].set(time.time())
+            self._m["checkpoint_duration_seconds"].set(duration)
+        else:
+            self._m["checkpoint_failures"].inc()
+
+    def on_replica_check(self, mismatch: bool) -> None:
+        if not self.run_level:
+            return
+        self._m["replica_checks"].inc()
+        if mismatch:
+            self._m["replica_mismatches"].inc()

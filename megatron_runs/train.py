@@ -1,0 +1,109 @@
+"""Entry point of the training program: `train(spec, ctx)` and `python -m megatron_runs.train`.
+
+This module stays import-light (no torch at import time) so the worker can build a
+`TrainContext` cheaply; `train()` imports the heavy loop. The CLI is spawn-safe: checkpoint
+saving starts a multiprocessing manager, which re-imports `__main__` under spawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.spec import RunSpec
+
+
+@dataclass
+class TrainContext:
+    """Everything about one attempt that is not in the spec (docs/contracts.md)."""
+
+    run_id: str
+    attempt: int
+    node: str
+    checkpoint_dir: Path
+    resume_step: int | None = None
+    skip_ranges: list[tuple[int, int]] = field(default_factory=list)
+    metrics_port: int | None = None
+    on_metrics_ready: Callable[[str, int], None] | None = None
+    stop_at_step: int | None = None
+
+
+@dataclass
+class TrainResult:
+    exit_code: int
+    final_step: int
+    consumed_samples: int
+    losses: list[float] = field(default_factory=list)
+
+
+def nightwatch_home() -> Path:
+    return Path(os.environ.get("NIGHTWATCH_HOME", Path.home() / ".nightwatch"))
+
+
+def node_name() -> str:
+    """The node name of docs/contracts.md (SLURMD_NODENAME, else the hostname)."""
+    try:
+        from worker.env import node_name as worker_node_name
+    except ImportError:
+        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return worker_node_name()
+
+
+def train(spec: RunSpec, ctx: TrainContext) -> TrainResult:
+    """Run (or resume) training on this rank; every rank of the job calls it."""
+    from megatron_runs import loop
+
+    return loop.run(spec, ctx)
+
+
+def _skip(text: str) -> tuple[int, int]:
+    start, _, end = text.partition(":")
+    try:
+        return int(start), int(end)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--skip takes START:END, got {text!r}") from exc
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m megatron_runs.train", description=__doc__)
+    ap.add_argument("--spec", required=True, type=Path, help="RunSpec YAML or JSON")
+    ap.add_argument("--run-id", default=os.environ.get("NIGHTWATCH_RUN_ID", "local"))
+    ap.add_argument("--attempt", type=int, default=int(os.environ.get("NIGHTWATCH_ATTEMPT", "0")))
+    ap.add_argument("--checkpoint-dir", type=Path)
+    ap.add_argument("--resume-step", type=int)
+    ap.add_argument("--skip", type=_skip, action="append", default=[], metavar="START:END")
+    ap.add_argument("--metrics-port", type=int)
+    ap.add_argument("--stop-at-step", type=int)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    spec = RunSpec.from_file(args.spec)
+    ckpt = args.checkpoint_dir or Path(
+        spec.checkpoint.dir or nightwatch_home() / "runs" / args.run_id / "checkpoints"
+    )
+    ctx = TrainContext(
+        run_id=args.run_id,
+        attempt=args.attempt,
+        node=node_name(),
+        checkpoint_dir=ckpt,
+        resume_step=args.resume_step,
+        skip_ranges=args.skip,
+        metrics_port=args.metrics_port,
+        stop_at_step=args.stop_at_step,
+    )
+    return train(spec, ctx).exit_code
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo/NCCL groups and checkpoint worker threads can hang it.
+    os._exit(code)

@@ -1,0 +1,144 @@
+"""Request and response bodies of the API (the RunSpec itself lives in supervisor.spec)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from supervisor.models import AttemptState, EventKind, RunState
+
+RUN_ID_PATTERN = r"^r-[0-9a-f]{12}$"
+NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+HOST_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9.:-]{0,254}$"
+RUN_NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$"
+MAX_ATTEMPT = 2**31 - 1
+
+
+class ProblemOut(BaseModel):
+    field: str = Field(examples=["parallelism.tensor"])
+    message: str = Field(examples=["48 attention heads are not divisible by tensor = 5"])
+    severity: str = Field(default="error", examples=["error"])
+
+
+class ErrorBody(BaseModel):
+    """Every error response: a machine-readable code and a sentence for people."""
+
+    error: str = Field(examples=["not_found"])
+    message: str = Field(examples=["run r-0123456789ab not found"])
+    problems: list[ProblemOut] = Field(default_factory=list)
+
+
+class AttemptOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    number: int
+    job_id: str | None
+    executor: str
+    state: AttemptState
+    nodes: list[Any] = Field(validation_alias="nodes_json")
+    submitted_at: datetime
+    started_at: datetime | None
+    ended_at: datetime | None
+    exit_code: int | None
+    end_reason: str | None
+    resume_step: int | None
+    skip_ranges: list[Any] = Field(validation_alias="skip_ranges_json")
+    exclude: list[Any] = Field(validation_alias="exclude_json")
+
+
+class RunOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str = Field(examples=["r-3f9a0c12d4e5"])
+    name: str = Field(examples=["llama-8b"])
+    state: RunState
+    state_reason: str | None
+    cancel_requested: bool
+    current_attempt: int
+    target_steps: int
+    last_step: int | None
+    resume_step: int | None
+    skip_ranges: list[Any] = Field(validation_alias="skip_ranges_json")
+    excluded_nodes: list[Any] = Field(validation_alias="excluded_nodes_json")
+    created_by: str | None
+    created_at: datetime
+    updated_at: datetime
+    spec: dict[str, Any] = Field(validation_alias="spec_json")
+
+
+class RunDetail(RunOut):
+    attempts: list[AttemptOut] = Field(default_factory=list)
+
+
+class RunPage(BaseModel):
+    items: list[RunOut]
+    total: int = Field(description="Runs matching the filter, over all pages.")
+    limit: int
+    offset: int
+    next_offset: int | None = Field(description="Offset of the next page; null on the last.")
+
+
+class EventOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    run_id: str
+    attempt: int | None
+    ts: datetime
+    kind: EventKind
+    message: str
+    data: dict[str, Any] = Field(validation_alias="data_json", description="Evidence.")
+
+
+class EventPage(BaseModel):
+    items: list[EventOut]
+    next_after: int | None = Field(
+        description="Pass as `after` to get later events; null when there are none yet."
+    )
+
+
+class EndpointIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(pattern=HOST_PATTERN, examples=["10.0.0.12"])
+    port: int = Field(ge=1, le=65535, examples=[9400])
+
+
+class TargetGroup(BaseModel):
+    """One Prometheus HTTP-SD target group."""
+
+    targets: list[str] = Field(examples=[["10.0.0.12:9400"]])
+    labels: dict[str, str] = Field(examples=[{"run_id": "r-3f9a0c12d4e5", "attempt": "1"}])
+
+
+class MemoryOut(BaseModel):
+    weights: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+    overhead: float
+    total: float
+    capacity: float
+
+
+class LayoutOut(BaseModel):
+    """The layout report: per-GPU memory (decimal GB), batch arithmetic and problems."""
+
+    ok: bool
+    world_size: int
+    requested_gpus: int
+    microbatches_per_step: int
+    sequences_per_step: int
+    tokens_per_step: int
+    steps_for_token_budget: int | None
+    memory_per_gpu_gb: MemoryOut
+    parameters: int
+    model_states_total_gb: float
+    problems: list[ProblemOut]
+
+
+class Health(BaseModel):
+    status: str = Field(examples=["ok"])
+    database: str = Field(examples=["ok"])

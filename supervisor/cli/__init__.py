@@ -1,0 +1,10 @@
+"""The `nightwatch` command (console script `supervisor.cli:app`).
+
+Each command module registers itself on `app` when imported. To add commands (e.g. `report`,
+`demo`), write `supervisor/cli/<name>.py` and add <name> to the import line below.
+"""
+
+from supervisor.cli import data, runs, server  # noqa: F401  (registers commands)
+from supervisor.cli._app import app
+
+__all__ = ["app"]

@@ -1,0 +1,44 @@
+"""`nightwatch report RUN`: the overnight report, fetched from the API and rendered here."""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from supervisor.cli._app import app
+from supervisor.cli._common import Api
+
+
+class ReportFormat(StrEnum):
+    text = "text"
+    json = "json"
+
+
+@app.command()
+def report(
+    run_id: Annotated[str, typer.Argument(help="Run id (r-…).")],
+    output_format: Annotated[
+        ReportFormat, typer.Option("--format", help="text: one screen; json: everything.")
+    ] = ReportFormat.text,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Also write a PNG: loss over steps, incidents, rollback/skipped data."),
+    ] = None,
+) -> None:
+    """What happened to a run: timeline of faults, detections, remedies; downtime; ETTR."""
+    from supervisor.report import Report, render_text
+
+    body = Api().json("GET", f"/v1/runs/{run_id}/report")
+    if output_format is ReportFormat.json:
+        typer.echo(json.dumps(body, indent=2))
+    else:
+        typer.echo(render_text(Report.from_dict(body)), nl=False)
+    if plot is not None:
+        from supervisor.report_plot import render_png
+
+        render_png(Report.from_dict(body), plot)
+        typer.echo(f"plot written to {plot}", err=True)

@@ -1,0 +1,153 @@
+"""Run commands over the REST API (`submit`, `runs`, `status`, `cancel`, `events`) and the
+local `validate`."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from supervisor.cli._app import app
+from supervisor.cli._common import Api, fail, load_spec
+
+FINAL_STATES = {"succeeded", "failed", "cancelled", "needs_attention"}
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the raw JSON response.")]
+
+
+def _print_layout(report: dict[str, Any]) -> None:
+    mem = report["memory_per_gpu_gb"]
+    typer.echo(f"parameters            {report['parameters']:,} "
+               f"({report['model_states_total_gb']} GB of model states)")  # fmt: skip
+    typer.echo(f"world size            {report['world_size']} "
+               f"(requested {report['requested_gpus']} GPUs)")  # fmt: skip
+    typer.echo(f"microbatches / step   {report['microbatches_per_step']}")
+    typer.echo(f"tokens / step         {report['tokens_per_step']:,}")
+    if report["steps_for_token_budget"] is not None:
+        typer.echo(f"steps for budget      {report['steps_for_token_budget']:,}")
+    typer.echo("memory per GPU (GB)   " + ", ".join(
+        f"{k} {mem[k]}" for k in
+        ("weights", "gradients", "optimizer_states", "activations", "overhead", "total")
+    ) + f" of {mem['capacity']}")  # fmt: skip
+    for p in report["problems"]:
+        typer.echo(f"{p['severity']}: {p['field']}: {p['message']}")
+
+
+@app.command()
+def validate(spec: Path, as_json: JsonOption = False) -> None:
+    """Check a spec locally and print its layout report; exit 1 if it cannot run."""
+    from supervisor.layout import layout_report
+
+    report = layout_report(load_spec(spec)).as_dict()
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        _print_layout(report)
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def submit(
+    spec: Path,
+    wait: Annotated[bool, typer.Option(help="Follow the run until it ends.")] = False,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Default: a fresh UUID (safe to retry this command).")
+    ] = None,
+    poll_seconds: Annotated[float, typer.Option(min=0.1)] = 5.0,
+) -> None:
+    """Submit a run; prints its id. With --wait, exit 0 only if it succeeds."""
+    body = json.loads(load_spec(spec).model_dump_json())
+    api = Api()
+    key = idempotency_key or str(uuid.uuid4())
+    run = api.json("POST", "/v1/runs", json=body, headers={"Idempotency-Key": key})
+    typer.echo(run["id"])
+    if not wait:
+        return
+    state = run["state"]
+    while state not in FINAL_STATES:
+        time.sleep(poll_seconds)
+        new = api.json("GET", f"/v1/runs/{run['id']}")["state"]
+        if new != state:
+            typer.echo(f"{run['id']}: {new}", err=True)
+        state = new
+    if state != "succeeded":
+        fail(f"run {run['id']} ended {state}")
+
+
+@app.command("runs")
+def list_runs(
+    state: Annotated[list[str] | None, typer.Option(help="Filter; repeatable.")] = None,
+    name: Annotated[str | None, typer.Option()] = None,
+    limit: Annotated[int, typer.Option(min=1, max=200)] = 50,
+    offset: Annotated[int, typer.Option(min=0)] = 0,
+    as_json: JsonOption = False,
+) -> None:
+    """List runs, newest first."""
+    params: dict[str, Any] = {"limit": limit, "offset": offset, "state": state or []}
+    if name:
+        params["name"] = name
+    page = Api().json("GET", "/v1/runs", params=params)
+    if as_json:
+        typer.echo(json.dumps(page, indent=2))
+        return
+    for r in page["items"]:
+        step = r["last_step"] if r["last_step"] is not None else "-"
+        typer.echo(f"{r['id']}  {r['state']:<15} {r['name']:<24} step {step}/{r['target_steps']}"
+                   f"  attempt {r['current_attempt']}  {r['created_at']}")  # fmt: skip
+    typer.echo(f"{len(page['items'])} of {page['total']} runs", err=True)
+
+
+@app.command()
+def status(run: str, as_json: JsonOption = False) -> None:
+    """Show one run and its attempts."""
+    r = Api().json("GET", f"/v1/runs/{run}")
+    if as_json:
+        typer.echo(json.dumps(r, indent=2))
+        return
+    for key in (
+        "id",
+        "name",
+        "state",
+        "state_reason",
+        "cancel_requested",
+        "current_attempt",
+        "last_step",
+        "target_steps",
+        "skip_ranges",
+        "excluded_nodes",
+        "created_at",
+    ):
+        typer.echo(f"{key:<17} {r[key]}")  # fmt: skip
+    for a in r["attempts"]:
+        typer.echo(f"attempt {a['number']}: job {a['job_id']} {a['state']} on {a['nodes']} "
+                   f"exit {a['exit_code']} {a['end_reason'] or ''}".rstrip())  # fmt: skip
+
+
+@app.command()
+def cancel(run: str) -> None:
+    """Cancel a run (immediate if not yet submitted)."""
+    r = Api().json("POST", f"/v1/runs/{run}/cancel")
+    note = " (cancel requested; the supervisor stops the job)" if r["state"] != "cancelled" else ""
+    typer.echo(f"{r['id']}: {r['state']}{note}")
+
+
+@app.command()
+def events(
+    run: str,
+    after: Annotated[int, typer.Option(min=0)] = 0,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 1000,
+    as_json: JsonOption = False,
+) -> None:
+    """Print a run's timeline: state changes, incidents, actions, with evidence."""
+    page = Api().json("GET", f"/v1/runs/{run}/events", params={"after": after, "limit": limit})
+    if as_json:
+        typer.echo(json.dumps(page, indent=2))
+        return
+    for e in page["items"]:
+        attempt = f"[{e['attempt']}] " if e["attempt"] is not None else ""
+        data = f"  {json.dumps(e['data'])}" if e["data"] else ""
+        typer.echo(f"{e['ts']}  {e['kind']:<15} {attempt}{e['message']}{data}")

@@ -1,0 +1,178 @@
+"""Turn a run + attempt plan into a submission, and say what an ended attempt means.
+
+Why pure helpers: the reconciler (supervisor.watchdog) calls this every tick, and the
+decisions here — sbatch parameters from a spec, the attempt state from a SLURM state, whether a
+walltime/preemption stop continues as a new attempt — must be testable on plain data. The only
+side effect is `submit`, which hands the request to a `supervisor.slurm.Cluster`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.slurm import Cluster, JobRequest, JobState, JobStatus, Submission
+from supervisor.spec import RunSpec
+from worker.task import TrainingTask
+
+EXIT_REQUEUE = 75  # megatron_runs.exitcodes.REQUEUE; not imported to keep the supervisor light
+EXIT_INJECTED_CRASH = 76
+
+
+@dataclass(frozen=True)
+class SubmitPlan:
+    """One attempt of one run, as the reconciler decided it."""
+
+    run_id: str
+    attempt: int
+    spec: RunSpec
+    checkpoint_dir: Path
+    log_dir: Path
+    resume_step: int | None = None
+    skip_ranges: tuple[tuple[int, int], ...] = ()
+    exclude: tuple[str, ...] = ()
+    supervisor_url: str | None = None
+    worker_token: str | None = None
+    stop_at_step: int | None = None
+    metrics: bool = True
+    gpus: bool = False
+    requeue: bool = False
+    signal_delay_s: int = 90
+    entry: str = "megatron_runs.train"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def job_name(run_id: str, attempt: int) -> str:
+    return f"nw-{run_id}-a{attempt}"
+
+
+def job_env(plan: SubmitPlan) -> dict[str, str]:
+    """The job's environment per docs/contracts.md "Worker ↔ supervisor".
+
+    It travels inside the pickled task (set by the worker before anything else runs), not as
+    sbatch script lines: the same path works for the local executor, whose `setup` lines would
+    put a shell between it and the tasks that swallows their signals.
+    """
+    env = {
+        "NIGHTWATCH_RUN_ID": plan.run_id,
+        "NIGHTWATCH_ATTEMPT": str(plan.attempt),
+        # One thread per task: CPU ranks share few cores and oversubscription stalls gloo.
+        "OMP_NUM_THREADS": str(plan.spec.resources.cpus_per_task),
+    }
+    if plan.supervisor_url:
+        env["NIGHTWATCH_URL"] = plan.supervisor_url
+    if plan.worker_token:
+        env["NIGHTWATCH_WORKER_TOKEN"] = plan.worker_token
+    return {**env, **plan.env}
+
+
+def job_request(plan: SubmitPlan) -> JobRequest:
+    """sbatch-level request: tasks per node = GPUs per node (processes per node on CPU)."""
+    res = plan.spec.resources
+    exclude = tuple(sorted({*res.exclude, *plan.exclude}))
+    return JobRequest(
+        job_name=job_name(plan.run_id, plan.attempt),
+        log_dir=plan.log_dir,
+        nodes=res.nodes,
+        tasks_per_node=res.gpus_per_node,
+        cpus_per_task=res.cpus_per_task,
+        gpus_per_node=res.gpus_per_node if plan.gpus else None,
+        time_limit_minutes=res.time_limit_minutes,
+        partition=res.partition,
+        account=res.account,
+        qos=res.qos,
+        exclude=exclude,
+        signal_delay_s=plan.signal_delay_s,
+        requeue=plan.requeue,
+    )
+
+
+def training_task(plan: SubmitPlan) -> TrainingTask:
+    """The picklable callable every task of the job runs."""
+    return TrainingTask(
+        run_id=plan.run_id,
+        attempt=plan.attempt,
+        spec_json=plan.spec.to_json(),
+        checkpoint_dir=str(plan.checkpoint_dir),
+        resume_step=plan.resume_step,
+        skip_ranges=tuple(plan.skip_ranges),
+        stop_at_step=plan.stop_at_step,
+        metrics=plan.metrics,
+        entry=plan.entry,
+        env=tuple(sorted(job_env(plan).items())),
+    )
+
+
+def submit(cluster: Cluster, plan: SubmitPlan) -> Submission:
+    """Submit one attempt; the caller records job_id on the attempt."""
+    return cluster.submit(job_request(plan), training_task(plan))
+
+
+_ATTEMPT_STATE = {
+    JobState.PENDING: "submitted",
+    JobState.REQUEUED: "submitted",
+    JobState.RUNNING: "running",
+    JobState.COMPLETED: "completed",
+    JobState.FAILED: "failed",
+    JobState.CANCELLED: "cancelled",
+    JobState.NODE_FAIL: "node_fail",
+    JobState.PREEMPTED: "preempted",
+    JobState.TIMEOUT: "timeout",
+    JobState.OUT_OF_MEMORY: "out_of_memory",
+    JobState.BOOT_FAIL: "node_fail",
+    JobState.DEADLINE: "timeout",
+}
+
+
+def attempt_state(status: JobStatus) -> str | None:
+    """`supervisor.models.AttemptState` value for a polled job; None = unknown, change nothing.
+
+    A job that exited 75 checkpointed on a preemption/walltime signal: it is "preempted",
+    whatever SLURM calls it (FAILED with exit code 75).
+    """
+    if status.state is JobState.UNKNOWN:
+        return None
+    if status.state is JobState.FAILED and status.exit_code == EXIT_REQUEUE:
+        return "preempted"
+    return _ATTEMPT_STATE[status.state]
+
+
+class Next(enum.StrEnum):
+    """What follows an ended attempt, when no fault explains it (the policy owns faults)."""
+
+    DONE = "done"  # train_steps reached
+    CONTINUE = "continue"  # walltime / preemption stop with progress left: chain a new attempt
+    NOT_MINE = "not_mine"  # a failure: detectors + policy decide (restart, exclude, escalate)
+    WAIT = "wait"  # still pending / running / unknown
+
+
+@dataclass(frozen=True)
+class Continuation:
+    next: Next
+    resume_step: int | None = None
+    reason: str = ""
+
+
+def continuation(
+    status: JobStatus, last_checkpoint_step: int | None, train_steps: int
+) -> Continuation:
+    """Walltime chaining: TIMEOUT / PREEMPTED / exit 75 / clean stop short of the target → next.
+
+    The next attempt resumes from the newest complete checkpoint (resume_step None lets the
+    trainer pick it; the step is reported for the record).
+    """
+    if not status.state.terminal or status.state is JobState.UNKNOWN:
+        return Continuation(Next.WAIT)
+    step = last_checkpoint_step or 0
+    if step >= train_steps:
+        return Continuation(Next.DONE, step, f"checkpoint at step {step} ≥ train_steps")
+    stopped = status.state in (JobState.TIMEOUT, JobState.PREEMPTED, JobState.DEADLINE) or (
+        status.state is JobState.FAILED and status.exit_code == EXIT_REQUEUE
+    )
+    if stopped:
+        return Continuation(Next.CONTINUE, last_checkpoint_step, f"{status.state} at step {step}")
+    if status.state is JobState.COMPLETED:
+        # A clean exit short of the target (stop_at_step): also a chained stop.
+        return Continuation(Next.CONTINUE, last_checkpoint_step, f"stopped at step {step}")
+    return Continuation(Next.NOT_MINE, reason=f"{status.state} exit {status.exit_code}")

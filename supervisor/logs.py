@@ -1,0 +1,44 @@
+"""JSON-lines logging carrying run_id / attempt / job_id when the caller knows them.
+
+Pass context with `extra={"run_id": ..., "attempt": ..., "job_id": ...}`. Nothing here ever
+formats request headers, so bearer tokens cannot reach a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+CONTEXT_FIELDS = ("run_id", "attempt", "job_id", "method", "path", "status", "duration_ms")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for name in CONTEXT_FIELDS:
+            value = getattr(record, name, None)
+            if value is not None:
+                line[name] = value
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Send the nightwatch loggers to stderr as JSON lines (idempotent)."""
+    root = logging.getLogger("nightwatch")
+    if any(isinstance(h.formatter, JsonFormatter) for h in root.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+    logging.Formatter.converter = time.gmtime

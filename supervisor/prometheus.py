@@ -1,0 +1,380 @@
+"""Metrics in: the only module that speaks PromQL or scrapes workers' /metrics.
+
+Two sources give the watchdog the same thing — a `MetricsView` per (run, attempt) with a
+trailing window of samples and an honest health — so detectors cannot tell them apart:
+
+- `PrometheusSource` asks a Prometheus server. Each tick it sends ONE instant query per metric
+  for all runs at once, with a range selector (`metric[Δs]`) so the answer holds the raw
+  scraped samples with their true scrape timestamps (not re-evaluated values), covering only
+  what arrived since the previous tick (the whole trailing window on the first tick).
+- `ScrapeSource` scrapes the workers' registered endpoints directly (the embedded default when
+  no Prometheus server is configured), parsing with prometheus_client's text parser.
+
+Failures make a view DOWN, old data makes it STALE, no data makes it MISSING: never UP.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from supervisor.watchdog.snapshot import MetricSample, MetricsView, SourceHealth
+
+log = logging.getLogger("nightwatch.prometheus")
+
+RunKey = tuple[str, int]  # (run_id, attempt)
+
+#: MetricSample field → exposed sample name (docs/contracts.md, "Metrics").
+RUN_FIELDS: dict[str, str] = {
+    "step": "nightwatch_train_step",
+    "last_step_ts": "nightwatch_train_last_step_timestamp_seconds",
+    "steps_total": "nightwatch_train_steps_total",
+    "target_steps": "nightwatch_train_target_steps",
+    "loss": "nightwatch_train_loss",
+    "loss_sum": "nightwatch_train_loss_sum",
+    "loss_window_max": "nightwatch_train_loss_window_max",
+    "loss_window_min": "nightwatch_train_loss_window_min",
+    "grad_norm": "nightwatch_train_grad_norm",
+    "grad_norm_window_max": "nightwatch_train_grad_norm_window_max",
+    "nonfinite_total": "nightwatch_train_nonfinite_steps_total",
+    "tokens_total": "nightwatch_train_tokens_total",
+    "tokens_per_second": "nightwatch_train_tokens_per_second",
+    "samples_consumed": "nightwatch_train_samples_consumed",
+    "checkpoint_step": "nightwatch_train_checkpoint_step",
+    "checkpoint_ts": "nightwatch_train_checkpoint_last_timestamp_seconds",
+    "checkpoint_failures_total": "nightwatch_train_checkpoint_failures_total",
+    "replica_checks_total": "nightwatch_train_replica_checks_total",
+    "replica_mismatches_total": "nightwatch_train_replica_mismatches_total",
+    "up": "nightwatch_train_up",
+}
+STEP_TIME = "nightwatch_train_step_time_window_avg_seconds"
+#: The run-level metrics come from the node that exports this one (global rank 0's).
+PRIMARY_MARKER = "nightwatch_train_loss"
+#: What the detectors need; PrometheusSource queries only these (one query each).
+QUERIED_FIELDS = (
+    "step",
+    "last_step_ts",
+    "target_steps",
+    "loss",
+    "loss_window_max",
+    "loss_window_min",
+    "grad_norm",
+    "grad_norm_window_max",
+    "nonfinite_total",
+    "tokens_per_second",
+    "samples_consumed",
+    "checkpoint_step",
+    "checkpoint_ts",
+    "checkpoint_failures_total",
+    "replica_mismatches_total",
+    "up",
+)
+_INT_FIELDS = frozenset({"step", "target_steps", "samples_consumed", "checkpoint_step"})
+_NAME_TO_FIELD = {name: f for f, name in RUN_FIELDS.items()}
+
+
+class MetricSource(Protocol):
+    """What the reconciler asks each tick: views for the active (run, attempt) pairs."""
+
+    name: str
+
+    def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]: ...
+
+
+def build_sample(
+    t: float, values: Mapping[str, float], step_time: Mapping[str, float]
+) -> MetricSample:
+    """A MetricSample from exposed-name → value (unknown names ignored)."""
+    fields: dict[str, Any] = {}
+    for name, value in values.items():
+        field = _NAME_TO_FIELD.get(name)
+        if field is None:
+            continue
+        if field in _INT_FIELDS:
+            if not math.isfinite(value):
+                continue
+            fields[field] = int(value)
+        else:
+            fields[field] = value
+    return MetricSample(t=t, step_time=dict(step_time), **fields)
+
+
+class SampleHistory:
+    """Trailing window of samples per (run, attempt); the sources' only state.
+
+    Why keep history at all: a scrape is a point, while the spike detector needs a window.
+    Losing it (supervisor restart) only delays judgement: an empty window convicts nothing.
+    """
+
+    def __init__(self, window_s: float, stale_after_s: float) -> None:
+        self.window_s = window_s
+        self.stale_after_s = stale_after_s
+        self._samples: dict[RunKey, deque[MetricSample]] = {}
+
+    def add(self, key: RunKey, sample: MetricSample) -> None:
+        buf = self._samples.setdefault(key, deque())
+        if buf and sample.t <= buf[-1].t:
+            if sample.t == buf[-1].t:
+                buf[-1] = sample
+            return
+        buf.append(sample)
+
+    def view(self, key: RunKey, now: float, health: SourceHealth = SourceHealth.UP) -> MetricsView:
+        """The key's window; UP only when the source answered and its newest sample is fresh."""
+        buf = self._samples.get(key)
+        while buf and buf[0].t < now - self.window_s:
+            buf.popleft()
+        samples = tuple(buf) if buf else ()
+        if health is not SourceHealth.UP:
+            return MetricsView(health=health, samples=samples)
+        if not samples:
+            return MetricsView(health=SourceHealth.MISSING)
+        if now - samples[-1].t > self.stale_after_s:
+            age = now - samples[-1].t
+            return MetricsView(SourceHealth.STALE, samples, f"newest sample {age:.1f} s old")
+        return MetricsView(health=SourceHealth.UP, samples=samples)
+
+    def forget_except(self, keys: Iterable[RunKey]) -> None:
+        keep = set(keys)
+        for key in [k for k in self._samples if k not in keep]:
+            del self._samples[key]
+
+
+# --------------------------------------------------------------------------- Prometheus
+
+
+class PrometheusUnavailable(RuntimeError):
+    """The server could not be asked, or answered with an error."""
+
+
+@dataclass(frozen=True)
+class Series:
+    labels: Mapping[str, str]
+    points: tuple[tuple[float, float], ...]  # (unix time, value)
+
+
+def parse_matrix(payload: Mapping[str, Any]) -> list[Series]:
+    """Parse an /api/v1/query answer of resultType matrix (pure; tested on recorded JSON)."""
+    if payload.get("status") != "success":
+        raise PrometheusUnavailable(f"query failed: {payload.get('error', payload)}")
+    data = payload.get("data") or {}
+    if data.get("resultType") != "matrix":
+        raise PrometheusUnavailable(f"expected a matrix, got {data.get('resultType')}")
+    return [
+        Series(
+            labels=item.get("metric", {}),
+            points=tuple((float(t), float(v)) for t, v in item.get("values", ())),
+        )
+        for item in data.get("result", ())
+    ]
+
+
+def assemble(
+    per_metric: Mapping[str, Sequence[Series]], keys: Iterable[RunKey]
+) -> dict[RunKey, list[MetricSample]]:
+    """Join per-metric series into per-run samples (pure).
+
+    Samples of one scrape share its timestamp, so run-level values are joined on the primary
+    node's scrape times; each node's step time is its newest value at or before that time.
+    """
+    wanted = set(keys)
+    # key → node → time → {name: value}
+    by_key: dict[RunKey, dict[str, dict[float, dict[str, float]]]] = {}
+    for name, series in per_metric.items():
+        for s in series:
+            try:
+                key = (s.labels["run_id"], int(s.labels["attempt"]))
+            except (KeyError, ValueError):
+                continue
+            if key not in wanted:
+                continue
+            node = s.labels.get("node", "")
+            times = by_key.setdefault(key, {}).setdefault(node, {})
+            for t, v in s.points:
+                times.setdefault(t, {})[name] = v
+    out: dict[RunKey, list[MetricSample]] = {}
+    for key, nodes in by_key.items():
+        primary = next(
+            (n for n in sorted(nodes) if any(PRIMARY_MARKER in v for v in nodes[n].values())),
+            min(nodes),
+        )
+        step_times = {
+            n: sorted((t, v[STEP_TIME]) for t, v in times.items() if STEP_TIME in v)
+            for n, times in nodes.items()
+        }
+        samples = []
+        for t in sorted(nodes[primary]):
+            per_node = {}
+            for n, pts in step_times.items():
+                older = [v for pt, v in pts if pt <= t]
+                if older:
+                    per_node[n] = older[-1]
+            samples.append(build_sample(t, nodes[primary][t], per_node))
+        out[key] = samples
+    return out
+
+
+class PrometheusSource:
+    """PromQL over HTTP: one query per metric for all runs per tick, retried with tenacity."""
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        window_s: float = 600.0,
+        stale_after_s: float = 30.0,
+        timeout_s: float = 5.0,
+        attempts: int = 2,
+        parallel: int = 4,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.history = SampleHistory(window_s, stale_after_s)
+        self._client = client or httpx.Client(timeout=timeout_s)
+        self._attempts = attempts
+        self._parallel = parallel
+        self._last_query_t: float | None = None
+        self.last_error: str | None = None
+        self.queries = 0
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _query(self, promql: str, at: float) -> list[Series]:
+        @retry(
+            stop=stop_after_attempt(self._attempts),
+            wait=wait_exponential(multiplier=0.1, max=1.0),
+            retry=retry_if_exception_type((httpx.TransportError, PrometheusUnavailable)),
+            reraise=True,
+        )
+        def once() -> list[Series]:
+            self.queries += 1
+            resp = self._client.get(
+                f"{self.url}/api/v1/query", params={"query": promql, "time": f"{at:.3f}"}
+            )
+            if resp.status_code >= 500:
+                raise PrometheusUnavailable(f"HTTP {resp.status_code}")
+            return parse_matrix(resp.json())
+
+        return once()
+
+    def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]:
+        """Fetch what arrived since the previous tick; DOWN for every key if a query fails."""
+        since = self._last_query_t
+        if since is None:
+            since = now - self.history.window_s
+        span = max(1, math.ceil(now - since + 1))  # overlap one second; duplicates are dropped
+        names = [RUN_FIELDS[f] for f in QUERIED_FIELDS] + [STEP_TIME]
+        try:
+            with ThreadPoolExecutor(self._parallel) as pool:
+                results = list(pool.map(lambda n: self._query(f"{n}[{span}s]", now), names))
+        except (httpx.HTTPError, PrometheusUnavailable, ValueError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.warning(f"prometheus query failed: {self.last_error}")
+            return {k: self.history.view(k, now, SourceHealth.DOWN) for k in keys}
+        self.last_error = None
+        self._last_query_t = now
+        for key, samples in assemble(dict(zip(names, results, strict=True)), keys).items():
+            for s in samples:
+                self.history.add(key, s)
+        self.history.forget_except(keys)
+        return {k: self.history.view(k, now) for k in keys}
+
+
+# --------------------------------------------------------------------------- direct scrape
+
+
+@dataclass(frozen=True)
+class Target:
+    """One worker node's registered metrics endpoint."""
+
+    run_id: str
+    attempt: int
+    node: str
+    host: str
+    port: int
+
+    @property
+    def key(self) -> RunKey:
+        return (self.run_id, self.attempt)
+
+
+def parse_exposition(text: str) -> dict[str, float]:
+    """Sample name → value of one endpoint's text exposition (pure)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = s.value
+    return out
+
+
+class ScrapeSource:
+    """Scrape the registered worker endpoints directly; one sample per run per tick."""
+
+    name = "scrape"
+
+    def __init__(
+        self,
+        targets: Callable[[], Sequence[Target]],
+        *,
+        window_s: float = 600.0,
+        stale_after_s: float = 30.0,
+        timeout_s: float = 2.0,
+        parallel: int = 8,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.targets = targets
+        self.history = SampleHistory(window_s, stale_after_s)
+        self._client = client or httpx.Client(timeout=timeout_s)
+        self._parallel = parallel
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _scrape(self, target: Target) -> dict[str, float] | None:
+        try:
+            resp = self._client.get(f"http://{target.host}:{target.port}/metrics")
+            resp.raise_for_status()
+            return parse_exposition(resp.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            log.info(
+                f"scrape of {target.node} failed: {exc}",
+                extra={"run_id": target.run_id, "attempt": target.attempt},
+            )
+            return None
+
+    def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]:
+        wanted = set(keys)
+        targets = [t for t in self.targets() if t.key in wanted]
+        with ThreadPoolExecutor(self._parallel) as pool:
+            scraped = list(pool.map(self._scrape, targets))
+        t = time.time()
+        by_key: dict[RunKey, list[tuple[Target, dict[str, float] | None]]] = {}
+        for target, values in zip(targets, scraped, strict=True):
+            by_key.setdefault(target.key, []).append((target, values))
+        failed: set[RunKey] = set()
+        for key, results in by_key.items():
+            if any(values is None for _, values in results):
+                failed.add(key)
+                continue
+            ok = [(tg, v) for tg, v in results if v is not None]
+            primary = next((v for _, v in ok if PRIMARY_MARKER in v), ok[0][1])
+            step_time = {tg.node: v[STEP_TIME] for tg, v in ok if STEP_TIME in v}
+            self.history.add(key, build_sample(t, primary, step_time))
+        self.history.forget_except(keys)
+        return {
+            k: self.history.view(k, now, SourceHealth.DOWN if k in failed else SourceHealth.UP)
+            for k in keys
+        }

@@ -1,0 +1,490 @@
+"""The overnight report: what happened to one run, computed from plain rows.
+
+Pure on purpose: the API route reads rows from the database (and loss history from wherever
+it has it) and hands them over as dicts, so every number here can be tested on recorded data.
+Timestamps are unix seconds (floats). The PNG plot lives in `supervisor.report_plot`, so
+the API never imports matplotlib.
+
+Definitions (the same as the Fleet dashboard's):
+- downtime: time between an attempt's end and the next attempt's start (queue wait, restart),
+  plus, for an active run whose newest attempt has not started, the time up to `now`;
+- steps lost: per incident as the watchdog recorded it; where none recorded it, the steps
+  replayed after each restart (highest step an attempt reached minus the next one's resume step);
+- ETTR (effective training-time ratio): (wall − downtime − steps lost × mean step time) / wall,
+  where wall runs from the first attempt's start to the run's end (or `now`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+Row = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class LossPoint:
+    """One observed (step, loss), tagged with the attempt that computed it."""
+
+    step: int
+    loss: float
+    attempt: int | None = None
+    t: float | None = None
+    source: str = "metrics"  # "metrics" or "checkpoint"
+
+
+@dataclass(frozen=True)
+class ReportData:
+    """Everything the report is built from; rows are the DB rows as plain dicts."""
+
+    run: Row
+    attempts: Sequence[Row] = ()
+    incidents: Sequence[Row] = ()
+    actions: Sequence[Row] = ()
+    checkpoints: Sequence[Row] = ()
+    loss: Sequence[LossPoint] = ()
+    global_batch_size: int = 1
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    t: float
+    what: str  # attempt, fault, detected, action, recovered, state
+    text: str
+
+
+@dataclass(frozen=True)
+class IncidentLine:
+    id: int | None
+    kind: str
+    attempt: int | None
+    fault_t: float | None
+    detected_t: float | None
+    recovered_t: float | None
+    remedy: str | None
+    state: str
+    onset_step: int | None
+    steps_lost: int | None
+    detection_latency_s: float | None
+    mttr_s: float | None
+
+
+@dataclass(frozen=True)
+class Window:
+    """A span of steps to mark on the plot: replayed after a rollback, or skipped data."""
+
+    kind: str  # "rollback" or "skipped"
+    start_step: int
+    end_step: int
+    label: str
+
+
+@dataclass(frozen=True)
+class Report:
+    run_id: str
+    name: str
+    state: str
+    state_reason: str | None
+    last_step: int | None
+    target_steps: int | None
+    started_t: float | None
+    ended_t: float | None
+    wall_s: float
+    downtime_s: float
+    steps_lost: int
+    mean_step_s: float | None
+    ettr: float | None
+    attempts: int
+    nodes_excluded: list[str]
+    skip_ranges: list[list[int]]
+    incidents: list[IncidentLine]
+    timeline: list[TimelineEntry]
+    windows: list[Window]
+    loss: list[LossPoint] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False, default=_json_default)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Report:
+        """Inverse of `to_dict`: the CLI renders text and plots from the API's JSON."""
+        nested = {
+            "incidents": [IncidentLine(**i) for i in data["incidents"]],
+            "timeline": [TimelineEntry(**e) for e in data["timeline"]],
+            "windows": [Window(**w) for w in data["windows"]],
+            "loss": [LossPoint(**p) for p in data["loss"]],
+        }
+        return cls(**{**data, **nested})
+
+
+def _json_default(value: object) -> object:
+    raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+def _ts(value: Any) -> float | None:
+    """Unix seconds from a datetime, an ISO string or a number (rows come from DB or JSON)."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp()
+    if isinstance(value, str):
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return _ts(parsed)
+    return float(value)
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _onset_step(incident: Row) -> int | None:
+    evidence = incident.get("evidence") or {}
+    for key in ("first_bad_step", "onset_step", "step"):
+        if evidence.get(key) is not None:
+            return int(evidence[key])
+    if evidence.get("last_healthy_step") is not None:
+        return int(evidence["last_healthy_step"]) + 1
+    return None
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return end - start if start is not None and end is not None else None
+
+
+def incident_lines(incidents: Iterable[Row]) -> list[IncidentLine]:
+    lines = []
+    for row in incidents:
+        fault, detected, recovered = (
+            _ts(row.get("fault_ts")),
+            _ts(row.get("detected_ts")),
+            _ts(row.get("recovered_ts")),
+        )
+        lines.append(
+            IncidentLine(
+                id=_int(row.get("id")),
+                kind=str(row["kind"]),
+                attempt=_int(row.get("attempt")),
+                fault_t=fault,
+                detected_t=detected,
+                recovered_t=recovered,
+                remedy=row.get("remedy"),
+                state=str(row.get("state") or "open"),
+                onset_step=_onset_step(row),
+                steps_lost=_int(row.get("steps_lost")),
+                detection_latency_s=_span(fault, detected),
+                mttr_s=_span(fault if fault is not None else detected, recovered),
+            )
+        )
+    return sorted(lines, key=lambda i: (i.detected_t or 0.0, i.id or 0))
+
+
+def attempt_reach(loss: Iterable[LossPoint]) -> dict[int, int]:
+    """Highest step each attempt is known to have completed."""
+    reach: dict[int, int] = {}
+    for p in loss:
+        if p.attempt is not None:
+            reach[p.attempt] = max(reach.get(p.attempt, p.step), p.step)
+    return reach
+
+
+def replayed_steps(attempts: Sequence[Row], loss: Sequence[LossPoint]) -> list[tuple[int, int]]:
+    """(resume_step, reached_step) for each restart that went back to an earlier step."""
+    reach = attempt_reach(loss)
+    ordered = sorted(attempts, key=lambda a: int(a["number"]))
+    spans = []
+    for prev, nxt in itertools.pairwise(ordered):
+        reached = reach.get(int(prev["number"]))
+        resume = nxt.get("resume_step")
+        if reached is not None and resume is not None and reached > int(resume):
+            spans.append((int(resume), reached))
+    return spans
+
+
+def downtime_seconds(attempts: Sequence[Row], *, active: bool, now: float) -> float:
+    """Gaps between one attempt's end and the next one's start (see module docstring)."""
+    ordered = sorted(attempts, key=lambda a: int(a["number"]))
+    total = 0.0
+    for prev, nxt in itertools.pairwise(ordered):
+        end = _ts(prev.get("ended_at"))
+        start = _ts(nxt.get("started_at"))
+        if end is None:
+            continue
+        if start is None:
+            start = now if active and nxt is ordered[-1] else None
+        if start is not None:
+            total += max(0.0, start - end)
+    return total
+
+
+def mean_step_seconds(loss: Sequence[LossPoint]) -> float | None:
+    """Median seconds per step between consecutive observations of the same attempt."""
+    rates = []
+    by_attempt: dict[int | None, list[LossPoint]] = {}
+    for p in loss:
+        if p.t is not None and p.source == "metrics":
+            by_attempt.setdefault(p.attempt, []).append(p)
+    for points in by_attempt.values():
+        points.sort(key=lambda p: p.t or 0.0)
+        for a, b in itertools.pairwise(points):
+            if b.step > a.step and b.t is not None and a.t is not None:
+                rates.append((b.t - a.t) / (b.step - a.step))
+    return statistics.median(rates) if rates else None
+
+
+def skip_windows(skip_ranges: Iterable[Sequence[int]], global_batch_size: int) -> list[Window]:
+    """Skipped sample ranges as the steps that would have consumed them in a clean run."""
+    gbs = max(1, global_batch_size)
+    return [
+        Window(
+            kind="skipped",
+            start_step=int(lo) // gbs + 1,
+            end_step=max(int(lo) // gbs + 1, math.ceil(int(hi) / gbs)),
+            label=f"skipped samples [{lo}, {hi})",
+        )
+        for lo, hi in skip_ranges
+    ]
+
+
+def _fmt_clock(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S")
+
+
+def _attempt_entries(attempts: Sequence[Row]) -> list[TimelineEntry]:
+    entries = []
+    for a in attempts:
+        n = a["number"]
+        started = _ts(a.get("started_at"))
+        if started is not None:
+            details = []
+            if a.get("job_id"):
+                details.append(f"job {a['job_id']}")
+            if a.get("nodes"):
+                details.append("nodes " + ",".join(a["nodes"]))
+            if a.get("resume_step") is not None:
+                details.append(f"resume step {a['resume_step']}")
+            if a.get("skip_ranges"):
+                details.append("skip " + ", ".join(f"[{lo}, {hi})" for lo, hi in a["skip_ranges"]))
+            if a.get("exclude"):
+                details.append("exclude " + ",".join(a["exclude"]))
+            suffix = f" ({'; '.join(details)})" if details else ""
+            entries.append(TimelineEntry(started, "attempt", f"attempt {n} started{suffix}"))
+        ended = _ts(a.get("ended_at"))
+        if ended is not None:
+            why = a.get("end_reason") or (
+                f"exit code {a['exit_code']}" if a.get("exit_code") is not None else ""
+            )
+            text = f"attempt {n} ended: {a.get('state')}" + (f" ({why})" if why else "")
+            entries.append(TimelineEntry(ended, "attempt", text))
+    return entries
+
+
+def _incident_entries(lines: Sequence[IncidentLine]) -> list[TimelineEntry]:
+    entries = []
+    for i in lines:
+        where = f" at step {i.onset_step}" if i.onset_step is not None else ""
+        if i.fault_t is not None:
+            entries.append(TimelineEntry(i.fault_t, "fault", f"{i.kind} began{where}"))
+        if i.detected_t is not None:
+            latency = (
+                f", {format_duration(i.detection_latency_s)} after onset"
+                if i.detection_latency_s is not None
+                else ""
+            )
+            entries.append(
+                TimelineEntry(i.detected_t, "detected", f"{i.kind} detected{where}{latency}")
+            )
+        if i.recovered_t is not None:
+            lost = f", {i.steps_lost} steps lost" if i.steps_lost is not None else ""
+            mttr = format_duration(i.mttr_s) if i.mttr_s is not None else "?"
+            entries.append(
+                TimelineEntry(i.recovered_t, "recovered", f"{i.kind} recovered (MTTR {mttr}{lost})")
+            )
+    return entries
+
+
+def _action_entries(actions: Sequence[Row]) -> list[TimelineEntry]:
+    entries = []
+    for a in actions:
+        t = _ts(a.get("created_at"))
+        if t is None:
+            continue
+        target = a.get("target")
+        outcome = a.get("state") or "intent"
+        text = f"{a['kind']}" + (f" {target}" if target else "") + f" [{outcome}]"
+        entries.append(TimelineEntry(t, "action", text))
+    return entries
+
+
+def assign_attempts(loss: Iterable[LossPoint], attempts: Sequence[Row]) -> list[LossPoint]:
+    """Tag points that lack an attempt (checkpoint losses) with the attempt running at `t`."""
+    spans = [
+        (int(a["number"]), _ts(a.get("started_at")), _ts(a.get("ended_at")) or math.inf)
+        for a in attempts
+    ]
+    out = []
+    for p in loss:
+        if p.attempt is None and p.t is not None:
+            owner = next((n for n, lo, hi in spans if lo is not None and lo <= p.t <= hi), None)
+            p = LossPoint(p.step, p.loss, owner, p.t, p.source)
+        out.append(p)
+    return out
+
+
+def build_report(data: ReportData) -> Report:
+    """The report of one run; see the module docstring for the definitions."""
+    run = data.run
+    state = str(run.get("state"))
+    active = state in ("submitted", "running", "recovering")
+    attempts = sorted(data.attempts, key=lambda a: int(a["number"]))
+    lines = incident_lines(data.incidents)
+    finite = [p for p in data.loss if math.isfinite(p.loss)]  # NaN is an incident, not a point
+    loss = sorted(assign_attempts(finite, attempts), key=lambda p: (p.t or 0.0, p.step))
+
+    starts = [t for a in attempts if (t := _ts(a.get("started_at"))) is not None]
+    ends = [t for a in attempts if (t := _ts(a.get("ended_at"))) is not None]
+    started_t = min(starts) if starts else None
+    ended_t = None if active or not ends else max(ends)
+    wall = max(0.0, (ended_t or data.now) - started_t) if started_t is not None else 0.0
+    downtime = downtime_seconds(attempts, active=active, now=data.now)
+
+    replays = replayed_steps(attempts, loss)
+    recorded = [i.steps_lost for i in lines if i.steps_lost is not None]
+    steps_lost = sum(recorded) if recorded else sum(hi - lo for lo, hi in replays)
+    step_s = mean_step_seconds(loss)
+    ettr = None
+    if wall > 0:
+        useful = wall - downtime - steps_lost * (step_s or 0.0)
+        ettr = min(1.0, max(0.0, useful / wall))
+
+    skips = [list(r) for r in run.get("skip_ranges") or []]
+    windows = [
+        Window("rollback", lo, hi, f"rolled back {hi} → {lo}, replayed") for lo, hi in replays
+    ] + skip_windows(skips, data.global_batch_size)
+
+    timeline = _attempt_entries(attempts) + _incident_entries(lines)
+    timeline += _action_entries(data.actions)
+    if ended_t is not None:
+        reason = f" ({run['state_reason']})" if run.get("state_reason") else ""
+        timeline.append(TimelineEntry(ended_t, "state", f"run {state}{reason}"))
+    timeline.sort(key=lambda e: e.t)
+
+    return Report(
+        run_id=str(run["id"]),
+        name=str(run.get("name") or ""),
+        state=state,
+        state_reason=run.get("state_reason"),
+        last_step=_int(run.get("last_step")),
+        target_steps=_int(run.get("target_steps")),
+        started_t=started_t,
+        ended_t=ended_t,
+        wall_s=wall,
+        downtime_s=downtime,
+        steps_lost=steps_lost,
+        mean_step_s=step_s,
+        ettr=ettr,
+        attempts=len(attempts),
+        nodes_excluded=sorted(set(run.get("excluded_nodes") or [])),
+        skip_ranges=skips,
+        incidents=lines,
+        timeline=timeline,
+        windows=windows,
+        loss=loss,
+    )
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = round(seconds)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    if h:
+        return f"{h}h {m:02d}m"
+    if m:
+        return f"{m}m {sec:02d}s"
+    return f"{sec}s"
+
+
+def render_text(report: Report) -> str:
+    """One screen: headline, numbers, timeline, incidents table."""
+    progress = (
+        f"step {report.last_step}/{report.target_steps}"
+        if report.last_step is not None
+        else f"no step yet of {report.target_steps}"
+    )
+    reason = f" — {report.state_reason}" if report.state_reason else ""
+    ettr = f"{report.ettr:.1%}" if report.ettr is not None else "-"
+    span = (
+        f"{datetime.fromtimestamp(report.started_t, UTC):%Y-%m-%d %H:%M:%S} → "
+        f"{_fmt_clock(report.ended_t) if report.ended_t else 'now'} UTC"
+        if report.started_t is not None
+        else "never started"
+    )
+    out = [
+        f"Run {report.run_id} ({report.name}): {report.state.upper()}{reason}, {progress}",
+        f"  {span}, wall {format_duration(report.wall_s)}, {report.attempts} attempt(s)",
+        f"  ETTR {ettr}   downtime {format_duration(report.downtime_s)}   "
+        f"steps lost {report.steps_lost}   incidents {len(report.incidents)}",
+        "  nodes excluded: " + (", ".join(report.nodes_excluded) or "none"),
+        "  skipped samples: "
+        + (", ".join(f"[{lo}, {hi})" for lo, hi in report.skip_ranges) or "none"),
+        "",
+        "Timeline (UTC)",
+    ]
+    out += [f"  {_fmt_clock(e.t)}  {e.what:<9} {e.text}" for e in report.timeline] or ["  -"]
+    if report.incidents:
+        header = f"  {'kind':<20} {'remedy':<15} {'detect':<8} {'MTTR':<8} {'lost':<5} state"
+        out += ["", "Incidents", header]
+        for i in report.incidents:
+            out.append(
+                f"  {i.kind[:20]:<20} {(i.remedy or '-')[:15]:<15} "
+                f"{format_duration(i.detection_latency_s):<8} {format_duration(i.mttr_s):<8} "
+                f"{'-' if i.steps_lost is None else i.steps_lost:<5} {i.state}"
+            )
+    return "\n".join(out) + "\n"
+
+
+def loss_from_matrix(step_result: Sequence[Row], loss_result: Sequence[Row]) -> list[LossPoint]:
+    """Join Prometheus range-query matrices of `nightwatch_train_step` and `..._loss`.
+
+    Both come from the same scrapes of the same endpoint, so samples pair by (attempt, time).
+    Scrapes that saw the same step twice yield one point; non-finite losses are kept out (the
+    plot marks NaN incidents from the incident rows instead).
+    """
+    steps: dict[tuple[str, float], int] = {}
+    for series in step_result:
+        attempt = series["metric"].get("attempt", "")
+        for t, v in series["values"]:
+            steps[(attempt, float(t))] = int(float(v))
+    points: dict[tuple[str, int], LossPoint] = {}
+    for series in loss_result:
+        attempt = series["metric"].get("attempt", "")
+        for t, v in series["values"]:
+            step = steps.get((attempt, float(t)))
+            loss = float(v)
+            if step is None or not math.isfinite(loss):
+                continue
+            points.setdefault(
+                (attempt, step),
+                LossPoint(step, loss, int(attempt) if attempt.isdigit() else None, float(t)),
+            )
+    return sorted(points.values(), key=lambda p: (p.t or 0.0, p.step))
+
+
+def loss_from_checkpoints(checkpoints: Iterable[Row]) -> list[LossPoint]:
+    """The sparse fallback: every complete checkpoint records the loss at its step."""
+    return [
+        LossPoint(int(c["step"]), float(c["loss"]), None, _ts(c.get("saved_at")), "checkpoint")
+        for c in checkpoints
+        if c.get("complete", True) and c.get("loss") is not None and math.isfinite(c["loss"])
+    ]

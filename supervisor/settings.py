@@ -1,0 +1,62 @@
+"""One Settings object for the supervisor, read from the environment at the edge.
+
+Nothing reads the environment at import time: `Settings.from_env()` is called by the CLI, and
+tests build `Settings(...)` directly, so two apps with different databases can live in one
+process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Executor = Literal["auto", "slurm", "local"]
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    home: Path = Field(default_factory=lambda: Path.home() / ".nightwatch")
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL; None means SQLite at $home/nightwatch.db."
+    )
+    prometheus_url: str | None = Field(
+        default=None, description="None means scrape the workers' /metrics directly."
+    )
+    public_url: str = Field(
+        default="http://127.0.0.1:8787", description="The URL workers use to reach the API."
+    )
+    webhook_url: str | None = None
+    tick_seconds: float = Field(default=5.0, gt=0)
+    executor: Executor = "auto"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8787, ge=0, le=65535)
+
+    @property
+    def db_url(self) -> str:
+        """The effective database URL (SQLite file under home unless one is configured)."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.home / 'nightwatch.db'}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from NIGHTWATCH_* variables; unset ones keep their defaults."""
+        env = os.environ if env is None else env
+        names = {
+            "home": "NIGHTWATCH_HOME",
+            "database_url": "NIGHTWATCH_DATABASE_URL",
+            "prometheus_url": "NIGHTWATCH_PROMETHEUS_URL",
+            "public_url": "NIGHTWATCH_PUBLIC_URL",
+            "webhook_url": "NIGHTWATCH_WEBHOOK_URL",
+            "tick_seconds": "NIGHTWATCH_TICK_SECONDS",
+            "executor": "NIGHTWATCH_EXECUTOR",
+            "host": "NIGHTWATCH_HOST",
+            "port": "NIGHTWATCH_PORT",
+        }
+        values = {field: env[var] for field, var in names.items() if env.get(var)}
+        return cls.model_validate(values)

@@ -1,0 +1,602 @@
+"""The one module that talks to SLURM (submitit, sbatch, sacct, sinfo, scontrol, scancel).
+
+Why it is shaped like this: the supervisor must never mistake "I could not ask" for "the job is
+gone" (DESIGN rule 1), so every subprocess has a timeout and a failed query raises
+`SourceUnavailable`. State comes from one batched `sacct` per tick for all jobs, parsed by pure
+functions tested on captured text; submitit is used only to submit (pickling the worker), never
+for state, because it caches NODE_FAIL as final and swallows sacct errors. Jobs are submitted
+with `--no-requeue` unless the plan asks otherwise, so SLURM does not silently restart a job
+whose node failed: the supervisor decides. `LocalCluster` is the same interface over submitit's
+LocalExecutor (one node), the embedded default when no SLURM cluster answers.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import shlex
+import signal as _signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import submitit
+
+log = logging.getLogger("nightwatch.slurm")
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class SourceUnavailable(RuntimeError):
+    """SLURM could not be asked (timeout, daemon down, bad output): state unknown, not gone."""
+
+
+class Unsupported(RuntimeError):
+    """The cluster kind cannot do this (e.g. draining a node of the local executor)."""
+
+
+class JobState(enum.StrEnum):
+    """How SLURM sees a job; the attempt's outcome is derived from it.
+
+    PENDING / REQUEUED → waiting; RUNNING (and COMPLETING, SUSPENDED) → running;
+    everything else is terminal. UNKNOWN means "not seen yet or not parseable", never "gone".
+    """
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    REQUEUED = "REQUEUED"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    NODE_FAIL = "NODE_FAIL"
+    PREEMPTED = "PREEMPTED"
+    TIMEOUT = "TIMEOUT"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    BOOT_FAIL = "BOOT_FAIL"
+    DEADLINE = "DEADLINE"
+    UNKNOWN = "UNKNOWN"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in _ACTIVE
+
+    @property
+    def active(self) -> bool:
+        return self in _ACTIVE and self is not JobState.UNKNOWN
+
+
+_ACTIVE = frozenset({JobState.PENDING, JobState.RUNNING, JobState.REQUEUED, JobState.UNKNOWN})
+
+_STATE_ALIASES = {
+    "COMPLETING": JobState.RUNNING,
+    "CONFIGURING": JobState.RUNNING,
+    "SUSPENDED": JobState.RUNNING,
+    "STAGE_OUT": JobState.RUNNING,
+    "SIGNALING": JobState.RUNNING,
+    "RESIZING": JobState.RUNNING,
+    "REQUEUE_HOLD": JobState.REQUEUED,
+    "REQUEUE_FED": JobState.REQUEUED,
+    "RESV_DEL_HOLD": JobState.PENDING,
+    "SPECIAL_EXIT": JobState.FAILED,
+    "REVOKED": JobState.CANCELLED,
+    "OOM": JobState.OUT_OF_MEMORY,
+}
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One job as the batched poll saw it."""
+
+    job_id: str
+    state: JobState
+    nodes: tuple[str, ...] = ()
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    reason: str = ""
+    raw_state: str = ""
+    failed_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    state: str
+    reason: str = ""
+
+    @property
+    def down(self) -> bool:
+        return any(s in self.state for s in ("down", "fail", "not_responding", "*"))
+
+    @property
+    def idle(self) -> bool:
+        return self.state == "idle"
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """Everything sbatch needs for one attempt; built by `supervisor.launcher` (pure)."""
+
+    job_name: str
+    log_dir: Path
+    nodes: int
+    tasks_per_node: int
+    cpus_per_task: int = 1
+    gpus_per_node: int | None = None
+    time_limit_minutes: int = 60
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    exclude: tuple[str, ...] = ()
+    signal_delay_s: int = 90
+    requeue: bool = False
+
+
+@dataclass(frozen=True)
+class Submission:
+    job_id: str
+    log_dir: Path
+
+
+class Cluster(Protocol):
+    """What the launcher and the reconciler may ask of a cluster."""
+
+    kind: str
+
+    def submit(self, request: JobRequest, fn: Callable[[], object]) -> Submission: ...
+
+    def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]: ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+    def requeue(self, job_id: str) -> None: ...
+
+    def signal(self, job_id: str, sig: str = "USR2") -> None: ...
+
+    def drain(self, node: str, reason: str) -> None: ...
+
+    def resume_node(self, node: str) -> None: ...
+
+    def nodes(self) -> dict[str, NodeInfo]: ...
+
+    def log_files(self, job_id: str) -> list[Path]: ...
+
+
+# ------------------------------------------------------------------ pure parsing
+def expand_hostlist(text: str) -> list[str]:
+    """`n[1-3,5],gpu07` → ['n1','n2','n3','n5','gpu07'] (SLURM's compressed host lists)."""
+    text = text.strip()
+    if not text or text.startswith("None"):
+        return []
+    parts: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    hosts: list[str] = []
+    for part in parts:
+        match = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\](.*)", part)
+        if not match:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for rng in ranges.split(","):
+            lo, _, hi = rng.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            width = len(lo)
+            hosts.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(int(lo), int(hi) + 1))
+    return hosts
+
+
+def parse_state(raw: str) -> JobState:
+    """`CANCELLED by 0` → CANCELLED; unknown words → UNKNOWN (never a guess)."""
+    word = raw.strip().split(" ")[0].rstrip("+").upper()
+    if word in JobState.__members__:
+        return JobState(word)
+    return _STATE_ALIASES.get(word, JobState.UNKNOWN)
+
+
+def parse_exit_code(text: str) -> tuple[int | None, int | None]:
+    """sacct's `code:signal`."""
+    code, _, sig = text.strip().partition(":")
+    try:
+        return int(code), int(sig or 0)
+    except ValueError:
+        return None, None
+
+
+SACCT_FIELDS = ("JobIDRaw", "State", "ExitCode", "NodeList", "Reason")
+
+
+def parse_sacct(text: str) -> dict[str, JobStatus]:
+    """Parse `sacct -X -P -n -o JobIDRaw,State,ExitCode,NodeList,Reason`.
+
+    A requeued job may appear more than once (one line per start); the last line wins.
+    """
+    out: dict[str, JobStatus] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        cols = line.split("|")
+        if len(cols) < len(SACCT_FIELDS):
+            raise SourceUnavailable(f"unexpected sacct line: {line!r}")
+        job_id, raw_state, exit_text, nodelist, reason = cols[: len(SACCT_FIELDS)]
+        code, sig = parse_exit_code(exit_text)
+        out[job_id] = JobStatus(
+            job_id=job_id,
+            state=parse_state(raw_state),
+            nodes=tuple(expand_hostlist(nodelist)),
+            exit_code=code,
+            exit_signal=sig,
+            reason="" if reason == "None" else reason,
+            raw_state=raw_state,
+        )
+    return out
+
+
+SQUEUE_FORMAT = "JobID:|,State:|,NodeList:|,Reason:|,exit_code:|"
+
+
+def parse_squeue(text: str) -> dict[str, JobStatus]:
+    """Parse `squeue -h -t all -O JobID:|,State:|,NodeList:|,Reason:|,exit_code:|`.
+
+    squeue's exit_code is the raw wait status: code in the high byte, signal in the low bits.
+    """
+    out: dict[str, JobStatus] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        cols = [c.strip() for c in line.split("|")]
+        if len(cols) < 5:
+            raise SourceUnavailable(f"unexpected squeue line: {line!r}")
+        job_id, raw_state, nodelist, reason, status = cols[:5]
+        try:
+            wait_status = int(status)
+        except ValueError:
+            code, sig = None, None
+        else:
+            code, sig = wait_status >> 8, wait_status & 0x7F
+        out[job_id] = JobStatus(
+            job_id=job_id,
+            state=parse_state(raw_state),
+            nodes=tuple(expand_hostlist(nodelist)),
+            exit_code=code,
+            exit_signal=sig,
+            reason="" if reason == "None" else reason,
+            raw_state=raw_state,
+        )
+    return out
+
+
+def parse_sinfo(text: str) -> dict[str, NodeInfo]:
+    """Parse `sinfo -h -N -o %N|%t|%E`; a node listed in several partitions appears once."""
+    out: dict[str, NodeInfo] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        name, state, reason = ([*line.split("|", 2), "", ""])[:3]
+        out[name] = NodeInfo(name=name, state=state.strip(), reason=reason.strip())
+    return out
+
+
+def with_failed_nodes(
+    statuses: dict[str, JobStatus], nodes: dict[str, NodeInfo]
+) -> dict[str, JobStatus]:
+    """Name the node(s) behind a NODE_FAIL: the job's nodes that SLURM now holds down."""
+    out = dict(statuses)
+    for job_id, st in statuses.items():
+        if st.state is JobState.NODE_FAIL:
+            failed = tuple(n for n in st.nodes if n in nodes and nodes[n].down)
+            out[job_id] = JobStatus(**{**st.__dict__, "failed_nodes": failed})
+    return out
+
+
+# ------------------------------------------------------------------ SLURM
+class SlurmCluster:
+    """A real SLURM cluster reached through its command-line tools."""
+
+    kind = "slurm"
+
+    def __init__(self, slurm_conf: str | Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self.env = dict(os.environ)
+        if slurm_conf:
+            # submitit runs sbatch with this process's environment; one cluster per process.
+            os.environ["SLURM_CONF"] = str(slurm_conf)
+            self.env["SLURM_CONF"] = str(slurm_conf)
+        self.calls = 0
+
+    def _run(self, cmd: list[str]) -> str:
+        self.calls += 1
+        try:
+            out = subprocess.run(
+                cmd, env=self.env, capture_output=True, text=True, timeout=self.timeout_s
+            )
+        except (subprocess.TimeoutExpired, OSError) as exc:
+            raise SourceUnavailable(f"{cmd[0]}: {exc}") from exc
+        if out.returncode != 0:
+            raise SourceUnavailable(
+                f"{shlex.join(cmd)} exited {out.returncode}: {out.stderr[-500:]}"
+            )
+        return out.stdout
+
+    def ping(self) -> bool:
+        try:
+            return "UP" in self._run(["scontrol", "ping"])
+        except SourceUnavailable:
+            return False
+
+    def submit(self, request: JobRequest, fn: Callable[[], object]) -> Submission:
+        request.log_dir.mkdir(parents=True, exist_ok=True)
+        executor = submitit.SlurmExecutor(folder=request.log_dir / "%j")
+        executor.update_parameters(**sbatch_parameters(request))
+        try:
+            job = executor.submit(fn)
+        except (subprocess.SubprocessError, OSError, submitit.core.utils.FailedJobError) as exc:
+            raise SourceUnavailable(f"sbatch failed: {exc}") from exc
+        log.info("submitted", extra={"job_id": job.job_id})
+        return Submission(job_id=str(job.job_id), log_dir=request.log_dir / str(job.job_id))
+
+    def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+        """One squeue call for every job the controller still holds (all active ones).
+
+        Jobs it no longer holds (finished more than MinJobAge ago) are asked of sacct in one
+        more call; a job neither knows is UNKNOWN, never gone. sacct is not the primary source
+        because slurmdbd lags: a freshly submitted job is missing there for a while, and its
+        node list lags behind the controller's. One sinfo call names the failed node(s) when
+        some job hit NODE_FAIL.
+        """
+        if not job_ids:
+            return {}
+        ids = ",".join(job_ids)
+        seen = parse_squeue(
+            self._run_squeue(["squeue", "-h", "-t", "all", "-j", ids, "-O", SQUEUE_FORMAT])
+        )
+        missing = [j for j in job_ids if j not in seen]
+        if missing:
+            seen.update(
+                parse_sacct(
+                    self._run(
+                        [
+                            "sacct",
+                            "-X",
+                            "-P",
+                            "-n",
+                            "-j",
+                            ",".join(missing),
+                            "-o",
+                            ",".join(SACCT_FIELDS),
+                        ]
+                    )
+                )
+            )
+        statuses = {j: seen.get(j, JobStatus(job_id=j, state=JobState.UNKNOWN)) for j in job_ids}
+        if any(s.state is JobState.NODE_FAIL for s in statuses.values()):
+            statuses = with_failed_nodes(statuses, self.nodes())
+        return statuses
+
+    def _run_squeue(self, cmd: list[str]) -> str:
+        """squeue fails on a single id it no longer knows; that is "no line", not an outage."""
+        try:
+            return self._run(cmd)
+        except SourceUnavailable as exc:
+            if "Invalid job id" in str(exc):
+                return ""
+            raise
+
+    def cancel(self, job_id: str) -> None:
+        self._run(["scancel", job_id])
+
+    def requeue(self, job_id: str) -> None:
+        """Only for jobs submitted with `requeue=True`; the others are resubmitted instead."""
+        self._run(["scontrol", "requeue", job_id])
+
+    def signal(self, job_id: str, sig: str = "USR2") -> None:
+        """Signal every task of every step (not the batch shell: it would kill srun)."""
+        self._run(["scancel", f"--signal={sig}", job_id])
+
+    def drain(self, node: str, reason: str) -> None:
+        self._run(["scontrol", "update", f"nodename={node}", "state=DRAIN", f"reason={reason}"])
+
+    def resume_node(self, node: str) -> None:
+        self._run(["scontrol", "update", f"nodename={node}", "state=RESUME"])
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        return parse_sinfo(self._run(["sinfo", "-h", "-N", "-o", "%N|%t|%E"]))
+
+    def log_files(self, job_id: str, log_dir: Path | None = None) -> list[Path]:
+        return _log_files(log_dir, job_id)
+
+
+def sbatch_parameters(request: JobRequest) -> dict[str, object]:
+    """submitit SlurmExecutor parameters for a request (pure; tested without SLURM)."""
+    params: dict[str, object] = {
+        "job_name": request.job_name,
+        "nodes": request.nodes,
+        "ntasks_per_node": request.tasks_per_node,
+        "cpus_per_task": request.cpus_per_task,
+        "time": request.time_limit_minutes,
+        "signal_delay_s": request.signal_delay_s,
+        "stderr_to_stdout": True,
+        "additional_parameters": {"requeue" if request.requeue else "no-requeue": True},
+    }
+    if request.gpus_per_node:
+        params["gpus_per_node"] = request.gpus_per_node
+    for name in ("partition", "account", "qos"):
+        value = getattr(request, name)
+        if value:
+            params[name] = value
+    if request.exclude:
+        params["exclude"] = ",".join(request.exclude)
+    return params
+
+
+def _log_files(log_dir: Path | None, job_id: str) -> list[Path]:
+    if log_dir is None:
+        return []
+    folder = log_dir if log_dir.name == job_id else log_dir / job_id
+    return sorted(folder.glob(f"{job_id}_*_log.out"))
+
+
+def tail(path: Path, max_bytes: int = 64 * 1024) -> str:
+    """The end of a log file (a missing file reads as empty: the job may not have started)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            return fh.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def detect_slurm(slurm_conf: str | Path | None = None, timeout_s: float = 3.0) -> bool:
+    """True when a controller answers `scontrol ping` (srun on PATH alone proves nothing)."""
+    env = dict(os.environ)
+    if slurm_conf:
+        env["SLURM_CONF"] = str(slurm_conf)
+    try:
+        out = subprocess.run(
+            ["scontrol", "ping"], env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except (subprocess.TimeoutExpired, OSError):
+        return False
+    return out.returncode == 0 and "UP" in out.stdout
+
+
+# ------------------------------------------------------------------ local
+class LocalCluster:
+    """One node, N processes, through submitit's LocalExecutor (no SLURM on the machine).
+
+    State lives in this process (the jobs are its children). There is no scheduler, so
+    drain/requeue are unsupported; a preemption signal is delivered as TERM, which submitit's
+    local controller forwards to every task (the trainer treats USR2 and TERM alike).
+    """
+
+    kind = "local"
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, tuple[submitit.local.local.LocalJob, Path]] = {}
+        self._tasks: dict[str, int] = {}
+        self._cancelled: set[str] = set()
+
+    def submit(self, request: JobRequest, fn: Callable[[], object]) -> Submission:
+        if request.nodes != 1:
+            raise Unsupported(f"the local executor runs one node, not {request.nodes}")
+        request.log_dir.mkdir(parents=True, exist_ok=True)
+        executor = submitit.LocalExecutor(folder=request.log_dir / "%j")
+        executor.update_parameters(
+            tasks_per_node=request.tasks_per_node,
+            timeout_min=request.time_limit_minutes,
+            signal_delay_s=request.signal_delay_s,
+            stderr_to_stdout=True,
+        )
+        job = executor.submit(fn)
+        self._jobs[job.job_id] = (job, request.log_dir / job.job_id)
+        self._tasks[job.job_id] = request.tasks_per_node
+        return Submission(job_id=job.job_id, log_dir=request.log_dir / job.job_id)
+
+    def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+        return {j: self._status(j) for j in job_ids}
+
+    def _status(self, job_id: str) -> JobStatus:
+        entry = self._jobs.get(job_id)
+        process = getattr(entry[0], "_process", None) if entry else None
+        if entry is None or process is None:
+            return JobStatus(job_id=job_id, state=JobState.UNKNOWN)
+        node = socket.gethostname()
+        if process.poll() is None:
+            return JobStatus(job_id=job_id, state=JobState.RUNNING, nodes=(node,))
+        if job_id in self._cancelled:
+            return JobStatus(job_id, JobState.CANCELLED, (node,), reason="cancelled")
+        # submitit's local controller exits 0 whatever its tasks did: read the worker's records.
+        codes = [int(p.read_text()) for p in entry[1].glob(f"{job_id}_*_exit_code")]
+        code = task_exit_code(codes, self._tasks[job_id])
+        if code is None:
+            return JobStatus(job_id, JobState.FAILED, (node,), reason="task killed")
+        state = JobState.COMPLETED if code == 0 else JobState.FAILED
+        return JobStatus(job_id, state, (node,), exit_code=code, exit_signal=0)
+
+    def cancel(self, job_id: str) -> None:
+        if job_id in self._jobs:
+            self._cancelled.add(job_id)
+            self._jobs[job_id][0].cancel()
+
+    def requeue(self, job_id: str) -> None:
+        raise Unsupported("the local executor cannot requeue; resubmit instead")
+
+    def signal(self, job_id: str, sig: str = "USR2") -> None:
+        entry = self._jobs.get(job_id)
+        process = getattr(entry[0], "_process", None) if entry else None
+        if process is not None:
+            process.send_signal(_signal.SIGTERM)
+
+    def drain(self, node: str, reason: str) -> None:
+        raise Unsupported("the local executor has a single node")
+
+    def resume_node(self, node: str) -> None:
+        raise Unsupported("the local executor has a single node")
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        busy = any(self._status(j).state is JobState.RUNNING for j in self._jobs)
+        name = socket.gethostname()
+        return {name: NodeInfo(name=name, state="alloc" if busy else "idle")}
+
+    def log_files(self, job_id: str, log_dir: Path | None = None) -> list[Path]:
+        entry = self._jobs.get(job_id)
+        return _log_files(log_dir or (entry[1] if entry else None), job_id)
+
+
+def task_exit_code(codes: Sequence[int], tasks: int) -> int | None:
+    """One job code from its tasks' codes: an error beats a requeue (75) beats success.
+
+    None when some task left no code (killed by a signal before it could write one).
+    """
+    if len(codes) < tasks:
+        return None
+    errors = [c for c in codes if c not in (0, 75)]
+    if errors:
+        return max(errors)
+    return 75 if 75 in codes else 0
+
+
+def make_cluster(slurm_conf: str | Path | None = None) -> SlurmCluster | LocalCluster:
+    """SLURM when a controller answers, else the embedded local executor."""
+    conf = slurm_conf or os.environ.get("SLURM_CONF")
+    if detect_slurm(conf):
+        return SlurmCluster(conf)
+    return LocalCluster()
+
+
+def wait_for(
+    cluster: Cluster,
+    job_id: str,
+    until: Callable[[JobStatus], bool],
+    timeout_s: float,
+    interval_s: float = 0.5,
+) -> JobStatus:
+    """Poll one job until `until(status)`; for scripts and tests, the reconciler polls itself."""
+    deadline = time.monotonic() + timeout_s
+    status = JobStatus(job_id=job_id, state=JobState.UNKNOWN)
+    while time.monotonic() < deadline:
+        try:
+            status = cluster.poll([job_id])[job_id]
+        except SourceUnavailable:
+            status = JobStatus(job_id=job_id, state=JobState.UNKNOWN)
+        if until(status):
+            return status
+        time.sleep(interval_s)
+    raise TimeoutError(f"job {job_id} still {status.state} after {timeout_s}s")

@@ -1,0 +1,242 @@
+"""RunSpec: the one document that describes a training run.
+
+It is the contract between the REST API, the launcher, the worker and the training program,
+so it is plain pydantic with no I/O. Unknown keys are rejected everywhere (a typo in a CI
+spec must fail loudly, not silently fall back to a default). Layout checks that need several
+sections at once (world size, divisibility, memory) live in `supervisor.layout` and are run by
+`RunSpec.layout_problems()`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Upper bounds keep every number storable in a 64-bit column and every estimate finite; they are
+# far beyond any real run, so they only ever reject garbage (e.g. a fuzzer's 10**40 layers).
+_MAX_INT = 2**40
+PositiveInt = Annotated[int, Field(gt=0, le=_MAX_INT)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class ModelSpec(_Strict):
+    """GPT shape. Llama-style (RMSNorm, SwiGLU, RoPE, GQA) and GPT-2-style options."""
+
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    num_attention_heads: PositiveInt
+    num_query_groups: PositiveInt | None = Field(
+        default=None, description="KV groups for GQA; None means one per head (MHA)."
+    )
+    ffn_hidden_size: PositiveInt | None = Field(default=None, description="Default 4 × hidden.")
+    seq_length: PositiveInt
+    vocab_size: PositiveInt = Field(description="Padded vocabulary size of the tokenizer.")
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
+    untie_embeddings: bool = False
+    precision: Literal["bf16", "fp32"] = "bf16"
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+
+class ParallelismSpec(_Strict):
+    """Megatron-Core 3D layout. world size = tensor × pipeline × data."""
+
+    tensor: PositiveInt = 1
+    pipeline: PositiveInt = 1
+    data: PositiveInt = 1
+    virtual_pipeline: PositiveInt | None = Field(
+        default=None, description="Model chunks per pipeline stage (interleaved schedule)."
+    )
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+
+class ResourcesSpec(_Strict):
+    """What to ask SLURM for. On CPU, gpus_per_node is the number of processes per node."""
+
+    nodes: PositiveInt = 1
+    gpus_per_node: PositiveInt = 1
+    gpu_memory_gib: float = Field(default=80.0, gt=0, le=1e6)
+    cpus_per_task: PositiveInt = 1
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit_minutes: PositiveInt = Field(
+        default=24 * 60, description="Walltime of one attempt; longer runs chain attempts."
+    )
+    exclude: list[str] = Field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class TrainingSpec(_Strict):
+    train_steps: PositiveInt
+    micro_batch_size: PositiveInt = 1
+    global_batch_size: PositiveInt = 1
+    lr: float = Field(default=3e-4, gt=0)
+    min_lr: float = Field(default=3e-5, ge=0)
+    lr_warmup_steps: NonNegativeInt = 0
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(default=0.1, ge=0)
+    adam_beta1: float = Field(default=0.9, gt=0, lt=1)
+    adam_beta2: float = Field(default=0.95, gt=0, lt=1)
+    clip_grad: float = Field(default=1.0, ge=0)
+    seed: int = Field(default=1234, ge=0, le=2**32 - 1)
+    log_interval: PositiveInt = 1
+    token_budget: PositiveInt | None = Field(
+        default=None, description="Optional total tokens; the layout report gives steps for it."
+    )
+
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> TrainingSpec:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
+
+
+class DataSpec(_Strict):
+    """Megatron indexed dataset (`<prefix>.bin/.idx`) plus the tokenizer that made it.
+
+    `prefix` None means the built-in demo corpus prepared on first use under NIGHTWATCH_HOME.
+    """
+
+    prefix: str | None = None
+    tokenizer: str | None = Field(default=None, description="tokenizer.json of the dataset.")
+
+
+class CheckpointSpec(_Strict):
+    interval_steps: PositiveInt = 100
+    keep_last: PositiveInt = 3
+    dir: str | None = Field(
+        default=None, description="Default: $NIGHTWATCH_HOME/runs/<run id>/checkpoints."
+    )
+    async_save: bool = False
+
+
+class RecoverySpec(_Strict):
+    """Detector thresholds and remedy budgets. Defaults follow ../shared/DOMAIN.md."""
+
+    loss_spike_window: PositiveInt = Field(default=50, description="Trailing steps for median/MAD.")
+    loss_spike_mad_factor: float = Field(default=8.0, gt=0)
+    loss_spike_ratio: float = Field(
+        default=2.0, gt=1, description="Also require loss > r × median."
+    )
+    loss_spike_sustain_steps: PositiveInt = 3
+    grad_norm_max: float = Field(default=10.0, gt=0, description="Sustained norm above → alarm.")
+    throughput_drop_ratio: float = Field(default=0.5, gt=0, lt=1)
+    straggler_ratio: float = Field(default=1.5, gt=1, description="Node step time / median.")
+    hang_factor: float = Field(default=10.0, gt=1, description="× median step time.")
+    hang_floor_seconds: float = Field(default=60.0, gt=0)
+    checkpoint_stall_factor: float = Field(default=3.0, gt=1, description="× interval.")
+    rollback_skip_steps: NonNegativeInt = Field(
+        default=0, description="Extra steps of samples skipped after the detected window."
+    )
+    max_restarts: NonNegativeInt = 5
+    restart_window_minutes: PositiveInt = 30
+    max_rollbacks_per_incident: PositiveInt = 2
+    max_excluded_nodes: NonNegativeInt = 2
+    drain_excluded_nodes: bool = False
+
+
+class PoisonDataFault(_Strict):
+    """Samples [start, end) are garbage: NaN loss or a loss spike each time they are read."""
+
+    kind: Literal["poison_data"] = "poison_data"
+    start_sample: NonNegativeInt
+    end_sample: PositiveInt
+    effect: Literal["spike", "nan"] = "spike"
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PoisonDataFault:
+        if self.end_sample <= self.start_sample:
+            raise ValueError(
+                f"end_sample ({self.end_sample}) must be greater than "
+                f"start_sample ({self.start_sample})"
+            )
+        return self
+
+
+class NodeFault(_Strict):
+    """A sick node (by SLURM node name or hostname): recurs until the node is excluded."""
+
+    kind: Literal["node"] = "node"
+    node: str
+    effect: Literal["nan_grads", "hang", "slow", "crash"]
+    after_step: NonNegativeInt = 0
+    slow_factor: float = Field(default=3.0, gt=1)
+
+
+class CrashFault(_Strict):
+    """One process crash at a step; does not recur after a restart."""
+
+    kind: Literal["crash"] = "crash"
+    step: PositiveInt
+    rank: NonNegativeInt = 0
+
+
+class CorruptCheckpointFault(_Strict):
+    """Truncate the checkpoint written at this step after it is published."""
+
+    kind: Literal["corrupt_checkpoint"] = "corrupt_checkpoint"
+    step: PositiveInt
+
+
+Fault = Annotated[
+    PoisonDataFault | NodeFault | CrashFault | CorruptCheckpointFault,
+    Field(discriminator="kind"),
+]
+
+
+class RunSpec(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$")
+    model: ModelSpec
+    parallelism: ParallelismSpec = ParallelismSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+    training: TrainingSpec
+    data: DataSpec = DataSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    recovery: RecoverySpec = RecoverySpec()
+    faults: list[Fault] = Field(default_factory=list, description="Test-only fault injection.")
+
+    def layout_problems(self) -> list[str]:
+        from supervisor.layout import layout_errors
+
+        return layout_errors(self)
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_text(cls, text: str) -> RunSpec:
+        """Parse YAML or JSON (JSON is YAML, but its errors read better from json)."""
+        stripped = text.lstrip()
+        data = json.loads(text) if stripped.startswith("{") else yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ValueError("a run spec must be a mapping at the top level")
+        return cls.model_validate(data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> RunSpec:
+        return cls.from_text(Path(path).read_text())

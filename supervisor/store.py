@@ -1,0 +1,585 @@
+"""The one data-access module: every write to the database goes through a function here.
+
+Each write function commits (routes and the reconciler never commit on their own) and records
+the matching event in the same transaction, so the timeline can never disagree with the state.
+State changes are compare-and-set (`UPDATE … WHERE state = expected`), which keeps the API's
+cancel and the reconciler's submit from overwriting each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from supervisor.auth import Scope, hash_secret, new_secret
+from supervisor.models import (
+    ACTIVE_RUN_STATES,
+    Action,
+    ActionState,
+    Attempt,
+    AttemptState,
+    Checkpoint,
+    Endpoint,
+    Event,
+    EventKind,
+    Incident,
+    IncidentState,
+    Lease,
+    Node,
+    NodeHealth,
+    Run,
+    RunState,
+    Token,
+    can_transition,
+    utcnow,
+)
+from supervisor.spec import RunSpec
+
+
+class StoreError(Exception):
+    """Base for errors the API maps to 4xx responses."""
+
+
+class NotFound(StoreError):
+    pass
+
+
+class Conflict(StoreError):
+    pass
+
+
+class IdempotencyConflict(Conflict):
+    pass
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def create_token(
+    session: Session, name: str, scopes: Iterable[Scope], run_id: str | None = None
+) -> tuple[Token, str]:
+    """Create a token and return it with its secret, which is never stored or shown again."""
+    secret = new_secret()
+    token = Token(
+        id=f"t-{secrets.token_hex(6)}",
+        name=name,
+        scopes=sorted({Scope(s).value for s in scopes}),
+        hash=hash_secret(secret),
+        run_id=run_id,
+    )
+    session.add(token)
+    session.commit()
+    return token, secret
+
+
+def token_for_secret(session: Session, secret: str) -> Token | None:
+    """The live token with this secret, or None (unknown or revoked)."""
+    token = session.scalar(select(Token).where(Token.hash == hash_secret(secret)))
+    return None if token is None or token.revoked else token
+
+
+def revoke_token(session: Session, token_id: str) -> None:
+    if session.execute(update(Token).where(Token.id == token_id).values(revoked=True)).rowcount:
+        session.commit()
+        return
+    session.rollback()
+    raise NotFound(f"token {token_id} not found")
+
+
+# ---------------------------------------------------------------- runs
+
+
+def spec_hash(spec: RunSpec) -> str:
+    """Hash of the canonical spec: the same run described with other whitespace or key order
+    (or with defaults spelled out) is the same request."""
+    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+
+
+def create_run(
+    session: Session,
+    spec: RunSpec,
+    *,
+    created_by: str | None = None,
+    idempotency_key: str | None = None,
+) -> tuple[Run, bool]:
+    """Persist a new pending run; returns (run, created).
+
+    With an idempotency key, a retry of the same request returns the first run (created False)
+    and the same key with another spec raises IdempotencyConflict. Concurrent retries race on
+    the unique index; the losers roll back and read the winner.
+    """
+    digest = spec_hash(spec)
+    if idempotency_key is not None:
+        existing = _run_by_key(session, idempotency_key)
+        session.commit()  # end the read now: on SQLite a write session holds the write lock
+        if existing is not None:
+            return _replay(existing, digest), False
+    run = Run(
+        id=f"r-{secrets.token_hex(6)}",
+        name=spec.name,
+        spec_json=spec.model_dump(mode="json"),
+        state=RunState.PENDING,
+        cancel_requested=False,
+        idempotency_key=idempotency_key,
+        request_hash=digest,
+        created_by=created_by,
+        current_attempt=0,
+        skip_ranges_json=[],
+        excluded_nodes_json=list(spec.resources.exclude),
+        target_steps=spec.training.train_steps,
+    )
+    session.add(run)
+    try:
+        session.flush()
+        _event(session, run.id, EventKind.STATE_CHANGE, "run created (pending)", to="pending")
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        existing = _run_by_key(session, idempotency_key) if idempotency_key else None
+        session.commit()
+        if existing is None:
+            raise
+        return _replay(existing, digest), False
+    return run, True
+
+
+def _run_by_key(session: Session, key: str) -> Run | None:
+    return session.scalar(select(Run).where(Run.idempotency_key == key))
+
+
+def _replay(run: Run, digest: str) -> Run:
+    if run.request_hash != digest:
+        raise IdempotencyConflict(
+            f"Idempotency-Key already used for run {run.id} with a different spec"
+        )
+    return run
+
+
+def get_run(session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        session.rollback()
+        raise NotFound(f"run {run_id} not found")
+    return run
+
+
+@dataclass(frozen=True)
+class Page:
+    items: Sequence[Any]
+    total: int
+
+
+def list_runs(
+    session: Session,
+    *,
+    states: Sequence[RunState] = (),
+    name: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+) -> Page:
+    """Runs newest first, optionally filtered by state(s) and exact name."""
+    query = select(Run)
+    if states:
+        query = query.where(Run.state.in_(states))
+    if name:
+        query = query.where(Run.name == name)
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = session.scalars(
+        query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit).offset(offset)
+    ).all()
+    return Page(rows, total)
+
+
+def runs_in_states(session: Session, states: Iterable[RunState]) -> Sequence[Run]:
+    """For the reconciler: e.g. pending runs to submit, active runs to watch."""
+    return session.scalars(select(Run).where(Run.state.in_(list(states))).order_by(Run.id)).all()
+
+
+def count_runs_by_state(session: Session) -> dict[RunState, int]:
+    rows = session.execute(select(Run.state, func.count()).group_by(Run.state)).all()
+    counts = dict.fromkeys(RunState, 0)
+    counts.update({state: n for state, n in rows})
+    return counts
+
+
+def transition_run(
+    session: Session,
+    run_id: str,
+    new: RunState,
+    *,
+    expected: Iterable[RunState] | None = None,
+    reason: str | None = None,
+    attempt: int | None = None,
+    data: dict[str, Any] | None = None,
+    **fields: Any,
+) -> bool:
+    """Compare-and-set the run's state (and other columns); False if someone got there first.
+
+    `expected` defaults to every state that may legally move to `new`.
+    """
+    allowed = (
+        set(expected) if expected is not None else {s for s in RunState if can_transition(s, new)}
+    )
+    allowed = {s for s in allowed if can_transition(s, new)}
+    if not allowed:
+        return False
+    current = session.scalar(select(Run.state).where(Run.id == run_id))
+    if current is None:
+        session.rollback()
+        raise NotFound(f"run {run_id} not found")
+    result = session.execute(
+        update(Run)
+        .where(Run.id == run_id, Run.state.in_(allowed))
+        .values(state=new, state_reason=reason, updated_at=utcnow(), **fields)
+    )
+    if result.rowcount != 1:
+        session.rollback()
+        return False
+    message = f"{current.value} → {new.value}" + (f": {reason}" if reason else "")
+    _event(
+        session,
+        run_id,
+        EventKind.STATE_CHANGE,
+        message,
+        attempt=attempt,
+        **{"from": current.value, "to": new.value, **(data or {})},
+    )
+    session.commit()
+    return True
+
+
+def request_cancel(session: Session, run_id: str) -> Run:
+    """Cancel now when nothing was submitted yet, else flag it for the reconciler.
+
+    Ends with no transaction open, so a write session never holds the SQLite lock while the
+    response is serialized.
+    """
+    run = get_run(session, run_id)
+    if run.state.terminal and run.state != RunState.CANCELLED:
+        session.rollback()
+        raise Conflict(f"run {run_id} already {run.state.value}")
+    if run.state == RunState.PENDING and run.current_attempt == 0:
+        transition_run(
+            session, run_id, RunState.CANCELLED, expected=[RunState.PENDING],
+            reason="cancelled by user",
+        )  # fmt: skip
+    elif not run.cancel_requested and run.state != RunState.CANCELLED:
+        session.execute(
+            update(Run).where(Run.id == run_id).values(cancel_requested=True, updated_at=utcnow())
+        )
+        _event(session, run_id, EventKind.INFO, "cancel requested", attempt=run.current_attempt)
+    session.commit()
+    session.refresh(run)
+    session.commit()
+    return run
+
+
+def update_run(session: Session, run_id: str, **fields: Any) -> None:
+    """Set progress columns (last_step, skip_ranges_json, excluded_nodes_json, resume_step…)."""
+    result = session.execute(
+        update(Run).where(Run.id == run_id).values(updated_at=utcnow(), **fields)
+    )
+    if result.rowcount != 1:
+        session.rollback()
+        raise NotFound(f"run {run_id} not found")
+    session.commit()
+
+
+# ---------------------------------------------------------------- events
+
+
+def _event(
+    session: Session,
+    run_id: str,
+    kind: EventKind,
+    message: str,
+    attempt: int | None = None,
+    **data: Any,
+) -> None:
+    session.add(Event(run_id=run_id, attempt=attempt, kind=kind, message=message, data_json=data))
+
+
+def add_event(
+    session: Session,
+    run_id: str,
+    kind: EventKind,
+    message: str,
+    *,
+    attempt: int | None = None,
+    data: dict[str, Any] | None = None,
+) -> None:
+    _event(session, run_id, kind, message, attempt, **(data or {}))
+    session.commit()
+
+
+def list_events(
+    session: Session, run_id: str, *, after: int = 0, limit: int = 100
+) -> Sequence[Event]:
+    """Events of a run in order, after the given event id (a resumable cursor)."""
+    get_run(session, run_id)
+    return session.scalars(
+        select(Event)
+        .where(Event.run_id == run_id, Event.id > after)
+        .order_by(Event.id)
+        .limit(limit)
+    ).all()
+
+
+# ---------------------------------------------------------------- attempts, checkpoints
+
+
+def create_attempt(
+    session: Session,
+    run_id: str,
+    *,
+    executor: str,
+    job_id: str | None = None,
+    resume_step: int | None = None,
+    skip_ranges: list[list[int]] | None = None,
+    exclude: list[str] | None = None,
+) -> Attempt:
+    """Record the next attempt (number = current_attempt + 1) and bump the run's counter."""
+    run = get_run(session, run_id)
+    number = run.current_attempt + 1
+    attempt = Attempt(
+        run_id=run_id,
+        number=number,
+        executor=executor,
+        job_id=job_id,
+        state=AttemptState.SUBMITTED,
+        resume_step=resume_step,
+        skip_ranges_json=skip_ranges if skip_ranges is not None else list(run.skip_ranges_json),
+        exclude_json=exclude if exclude is not None else list(run.excluded_nodes_json),
+        nodes_json=[],
+    )
+    session.add(attempt)
+    run.current_attempt = number
+    run.updated_at = utcnow()
+    _event(session, run_id, EventKind.INFO, f"attempt {number} recorded", number, job_id=job_id)
+    session.commit()
+    return attempt
+
+
+def get_attempts(session: Session, run_id: str) -> Sequence[Attempt]:
+    return session.scalars(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number)
+    ).all()
+
+
+def update_attempt(session: Session, run_id: str, number: int, **fields: Any) -> None:
+    """Set job_id, state, nodes_json, started_at, ended_at, exit_code, end_reason…"""
+    result = session.execute(
+        update(Attempt).where(Attempt.run_id == run_id, Attempt.number == number).values(**fields)
+    )
+    if result.rowcount != 1:
+        session.rollback()
+        raise NotFound(f"attempt {number} of run {run_id} not found")
+    session.commit()
+
+
+def record_checkpoint(
+    session: Session,
+    run_id: str,
+    *,
+    step: int,
+    consumed_samples: int,
+    loss: float | None,
+    path: str,
+    saved_at: datetime,
+    complete: bool,
+) -> None:
+    """Insert or refresh the row for (run, step); idempotent for the level-triggered loop."""
+    row = session.scalar(
+        select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.step == step)
+    )
+    if row is None:
+        row = Checkpoint(run_id=run_id, step=step)
+        session.add(row)
+    row.consumed_samples = consumed_samples
+    row.loss = loss
+    row.path = path
+    row.saved_at = saved_at
+    row.complete = complete
+    session.commit()
+
+
+# ---------------------------------------------------------------- actions, incidents, nodes
+
+
+def action_key(run_id: str, attempt: int | None, kind: str, target: str) -> str:
+    return f"{run_id}|{attempt}|{kind}|{target}"
+
+
+def begin_action(
+    session: Session,
+    run_id: str,
+    attempt: int | None,
+    kind: str,
+    target: str,
+    evidence: dict[str, Any],
+) -> Action | None:
+    """Write the intent before acting; None when this action was already taken (replay)."""
+    key = action_key(run_id, attempt, kind, target)
+    action = Action(
+        key=key,
+        run_id=run_id,
+        attempt=attempt,
+        kind=kind,
+        target=target,
+        state=ActionState.INTENT,
+        evidence_json=evidence,
+        result_json={},
+    )
+    session.add(action)
+    try:
+        session.flush()
+    except IntegrityError:
+        session.rollback()
+        return None
+    _event(session, run_id, EventKind.ACTION_INTENT, f"{kind} {target}", attempt, **evidence)
+    session.commit()
+    return action
+
+
+def finish_action(session: Session, key: str, *, ok: bool, result: dict[str, Any]) -> None:
+    action = session.scalar(select(Action).where(Action.key == key))
+    if action is None:
+        raise NotFound(f"action {key} not found")
+    action.state = ActionState.DONE if ok else ActionState.FAILED
+    action.result_json = result
+    action.finished_at = utcnow()
+    outcome = "done" if ok else "failed"
+    _event(
+        session,
+        action.run_id,
+        EventKind.ACTION_OUTCOME,
+        f"{action.kind} {action.target}: {outcome}",
+        action.attempt,
+        **result,
+    )
+    session.commit()
+
+
+def open_incident(
+    session: Session,
+    run_id: str,
+    attempt: int | None,
+    kind: str,
+    *,
+    evidence: dict[str, Any],
+    fault_ts: datetime | None = None,
+) -> Incident:
+    incident = Incident(
+        run_id=run_id,
+        attempt=attempt,
+        kind=kind,
+        fault_ts=fault_ts,
+        state=IncidentState.OPEN,
+        evidence_json=evidence,
+    )
+    session.add(incident)
+    session.flush()
+    _event(
+        session,
+        run_id,
+        EventKind.INCIDENT,
+        f"incident: {kind}",
+        attempt,
+        incident_id=incident.id,
+        **evidence,
+    )
+    session.commit()
+    return incident
+
+
+def update_incident(session: Session, incident_id: int, **fields: Any) -> None:
+    """Set remedy, state, recovered_ts, steps_lost…"""
+    if not session.execute(
+        update(Incident).where(Incident.id == incident_id).values(**fields)
+    ).rowcount:
+        session.rollback()
+        raise NotFound(f"incident {incident_id} not found")
+    session.commit()
+
+
+def set_node_health(
+    session: Session, name: str, health: NodeHealth, reason: str, *, strike: bool = False
+) -> Node:
+    node = session.get(Node, name)
+    if node is None:
+        node = Node(name=name, strikes=0)
+        session.add(node)
+    node.health = health
+    node.reason = reason
+    node.strikes = (node.strikes or 0) + (1 if strike else 0)
+    node.updated_at = utcnow()
+    session.commit()
+    return node
+
+
+# ---------------------------------------------------------------- worker endpoints
+
+
+def register_endpoint(
+    session: Session, run_id: str, attempt: int, node: str, host: str, port: int
+) -> None:
+    """Insert or refresh a worker's metrics endpoint; every call is also a heartbeat."""
+    get_run(session, run_id)
+    now = utcnow()
+    values = {"host": host, "port": port, "last_seen": now}
+    where = (Endpoint.run_id == run_id, Endpoint.attempt == attempt, Endpoint.node == node)
+    if session.execute(update(Endpoint).where(*where).values(**values)).rowcount:
+        session.commit()
+        return
+    session.add(Endpoint(run_id=run_id, attempt=attempt, node=node, **values))
+    try:
+        session.commit()
+    except IntegrityError:  # a concurrent heartbeat inserted it first
+        session.rollback()
+        session.execute(update(Endpoint).where(*where).values(**values))
+        session.commit()
+
+
+def active_endpoints(session: Session) -> Sequence[Endpoint]:
+    """Endpoints of the current attempt of every active run (Prometheus HTTP-SD targets)."""
+    return session.scalars(
+        select(Endpoint)
+        .join(Run, Run.id == Endpoint.run_id)
+        .where(Run.state.in_(ACTIVE_RUN_STATES), Endpoint.attempt == Run.current_attempt)
+        .order_by(Endpoint.run_id, Endpoint.node)
+    ).all()
+
+
+# ---------------------------------------------------------------- leases
+
+
+def acquire_lease(session: Session, name: str, holder: str, ttl: timedelta) -> bool:
+    """Take or renew the named lease; True when `holder` holds it until now + ttl."""
+    now = utcnow()
+    expires = now + ttl
+    taken = session.execute(
+        update(Lease)
+        .where(Lease.name == name, (Lease.holder == holder) | (Lease.expires_at < now))
+        .values(holder=holder, expires_at=expires)
+    ).rowcount
+    if taken:
+        session.commit()
+        return True
+    if session.get(Lease, name) is not None:
+        session.rollback()
+        return False
+    session.add(Lease(name=name, holder=holder, expires_at=expires))
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        return False
+    return True

@@ -1,0 +1,1 @@
+"""The watchdog: observe → detect → decide → act. Detectors and policy are pure."""

@@ -1,0 +1,418 @@
+"""The only code that changes the world: submit, cancel, exclude, roll back, escalate.
+
+Every action is keyed (run, attempt, kind, target) in the actions table. The intent row, with
+its evidence, is written before anything happens and the outcome after, so:
+- a replay of a finished action is a no-op (the unique key refuses a second intent);
+- an unfinished one (the supervisor died mid-way) is resumed by running its steps again, and
+  each step is itself idempotent: cancel only an active job, set-union skips and exclusions,
+  and never submit attempt N twice (the submit sub-action has its own key, and a submission
+  that may have happened is looked up by its job name / submitit folder before resubmitting).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from supervisor import store
+from supervisor.auth import Scope
+from supervisor.db import Database
+from supervisor.launcher import SubmitPlan, job_name, submit
+from supervisor.models import (
+    Action,
+    ActionState,
+    Attempt,
+    AttemptState,
+    NodeHealth,
+    Run,
+    RunState,
+)
+from supervisor.slurm import Cluster, SourceUnavailable, Unsupported
+from supervisor.spec import RunSpec
+from supervisor.watchdog.notify import Notifier
+from supervisor.watchdog.snapshot import Remedy, RemedyKind
+
+log = logging.getLogger("nightwatch.watchdog.actions")
+
+
+class ActionKind(enum.StrEnum):
+    """Action rows' `kind`: the remedies plus the reconciler's own chores."""
+
+    SUBMIT = "submit"
+    CANCEL = "cancel"
+    COMPLETE = "complete"
+    RESTART = RemedyKind.RESTART.value
+    ROLLBACK = RemedyKind.ROLLBACK.value
+    EXCLUDE_NODE = RemedyKind.EXCLUDE_NODE.value
+    REQUEUE = RemedyKind.REQUEUE.value
+    ESCALATE = RemedyKind.ESCALATE.value
+    OBSERVE = RemedyKind.OBSERVE.value
+
+
+def run_dir(home: Path, run_id: str) -> Path:
+    return home / "runs" / run_id
+
+
+def checkpoint_dir(home: Path, run_id: str, spec: RunSpec) -> Path:
+    """docs: spec.checkpoint.dir, default $NIGHTWATCH_HOME/runs/<run id>/checkpoints."""
+    if spec.checkpoint.dir:
+        return Path(spec.checkpoint.dir)
+    return run_dir(home, run_id) / "checkpoints"
+
+
+def attempt_log_dir(home: Path, run_id: str, attempt: int) -> Path:
+    """One folder per attempt: submitit creates `<job id>/` in it once sbatch answered."""
+    return run_dir(home, run_id) / "logs" / f"a{attempt}"
+
+
+def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Union of half-open ranges, sorted; re-applying the same skip changes nothing."""
+    out: list[list[int]] = []
+    for lo, hi in sorted((int(a), int(b)) for a, b in ranges):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+@dataclass(frozen=True)
+class ActuatorConfig:
+    home: Path
+    supervisor_url: str | None = None
+    gpus: bool = False
+    signal_delay_s: int = 90
+
+
+@dataclass(frozen=True)
+class ActContext:
+    """What the actuator needs to know about the run's current attempt."""
+
+    run_id: str
+    attempt: int
+    job_id: str | None
+    job_active: bool
+    step: int | None = None
+    attempt_nodes: tuple[str, ...] = ()
+    incident_id: int | None = None
+    resume_from: int | None = None  # newest complete checkpoint on disk now
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def remedy_evidence(remedy: Remedy, ctx: ActContext) -> dict[str, Any]:
+    """What the intent row records; the policy's run history is rebuilt from exactly this."""
+    f = remedy.finding
+    return {
+        "reason": remedy.reason,
+        "suspect": remedy.suspect.value,
+        "finding_kind": f.kind.value if f else None,
+        "finding": f.summary if f else None,
+        "finding_evidence": dict(f.evidence) if f else {},
+        "fault_time": f.fault_time if f else None,
+        "last_healthy_step": f.last_healthy_step if f else None,
+        "first_bad_step": f.first_bad_step if f else None,
+        "step": ctx.step,
+        "to_step": remedy.to_step,
+        "skip_ranges": [list(r) for r in remedy.skip_ranges],
+        "exclude_nodes": list(remedy.exclude_nodes),
+        "attempt_nodes": list(ctx.attempt_nodes),
+        "job_id": ctx.job_id,
+        "incident_id": ctx.incident_id,
+        **ctx.extra,
+    }
+
+
+class Actuator:
+    def __init__(
+        self, db: Database, cluster: Cluster, config: ActuatorConfig, notifier: Notifier
+    ) -> None:
+        self.db = db
+        self.cluster = cluster
+        self.config = config
+        self.notifier = notifier
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _action(self, key: str) -> Action | None:
+        with self.db.session() as s:
+            return s.scalar(select(Action).where(Action.key == key))
+
+    def _begin(
+        self, run_id: str, attempt: int, kind: ActionKind, target: str, evidence: dict[str, Any]
+    ) -> str | None:
+        """The action's key when it must (still) be carried out; None when already done."""
+        key = store.action_key(run_id, attempt, kind.value, target)
+        with self.db.write_session() as s:
+            if store.begin_action(s, run_id, attempt, kind.value, target, evidence) is not None:
+                return key
+        existing = self._action(key)
+        if existing is not None and existing.state is ActionState.INTENT:
+            log.info(f"resuming unfinished {kind.value} {target}", extra=_ctx(run_id, attempt))
+            return key
+        return None
+
+    def _finish(self, key: str, ok: bool, result: dict[str, Any]) -> None:
+        with self.db.write_session() as s:
+            store.finish_action(s, key, ok=ok, result=result)
+
+    def unfinished(self, run_id: str) -> Action | None:
+        """A remedy whose intent was written but whose outcome was not (a crash mid-way)."""
+        with self.db.session() as s:
+            return s.scalar(
+                select(Action)
+                .where(
+                    Action.run_id == run_id,
+                    Action.state == ActionState.INTENT,
+                    Action.kind.in_([k.value for k in RemedyKind if k is not RemedyKind.NONE]),
+                )
+                .order_by(Action.id)
+            )
+
+    # ------------------------------------------------------------------ submit
+
+    def submit_attempt(
+        self, run_id: str, number: int, *, resume_step: int | None, reason: str
+    ) -> str | None:
+        """Submit attempt `number` exactly once; returns its job id (None: failed or unknown)."""
+        key = self._begin(
+            run_id, number, ActionKind.SUBMIT, "-", {"reason": reason, "resume_step": resume_step}
+        )
+        if key is None:
+            with self.db.session() as s:
+                attempt = _attempt(s, run_id, number)
+                return attempt.job_id if attempt else None
+        with self.db.session() as s:
+            run = store.get_run(s, run_id)
+            attempt = _attempt(s, run_id, number)
+        spec = RunSpec.model_validate(run.spec_json)
+        log_dir = attempt_log_dir(self.config.home, run_id, number)
+        if attempt is not None and attempt.job_id:
+            self._finish(key, True, {"job_id": attempt.job_id, "recovered": True})
+            return attempt.job_id
+        found = self._already_submitted(run_id, number, log_dir)
+        if attempt is None:
+            if run.current_attempt != number - 1:
+                self._finish(key, False, {"error": f"attempt {run.current_attempt} is current"})
+                return None
+            with self.db.write_session() as s:
+                attempt = store.create_attempt(
+                    s,
+                    run_id,
+                    executor=self.cluster.kind,
+                    resume_step=resume_step,
+                    skip_ranges=merge_ranges(run.skip_ranges_json),
+                    exclude=sorted(set(run.excluded_nodes_json)),
+                )
+        if found:
+            job_id = found
+        else:
+            with self.db.write_session() as s:
+                _token, secret = store.create_token(
+                    s, f"worker-{run_id}-a{number}", [Scope.SUBMIT], run_id=run_id
+                )
+            plan = SubmitPlan(
+                run_id=run_id,
+                attempt=number,
+                spec=spec,
+                checkpoint_dir=checkpoint_dir(self.config.home, run_id, spec),
+                log_dir=log_dir,
+                resume_step=resume_step,
+                skip_ranges=tuple((int(a), int(b)) for a, b in merge_ranges(run.skip_ranges_json)),
+                exclude=tuple(sorted(set(run.excluded_nodes_json))),
+                supervisor_url=self.config.supervisor_url,
+                worker_token=secret,
+                gpus=self.config.gpus,
+                signal_delay_s=self.config.signal_delay_s,
+            )
+            try:
+                job_id = submit(self.cluster, plan).job_id
+            except (SourceUnavailable, Unsupported, OSError) as exc:
+                with self.db.write_session() as s:
+                    store.update_attempt(
+                        s,
+                        run_id,
+                        number,
+                        state=AttemptState.FAILED,
+                        end_reason=f"submit failed: {exc}",
+                        ended_at=datetime.now(UTC),
+                    )
+                self._finish(key, False, {"error": str(exc)})
+                log.warning(f"submit failed: {exc}", extra=_ctx(run_id, number))
+                return None
+        with self.db.write_session() as s:
+            store.update_attempt(s, run_id, number, job_id=job_id)
+        self._finish(key, True, {"job_id": job_id})
+        log.info("submitted", extra={**_ctx(run_id, number), "job_id": job_id})
+        return job_id
+
+    def _already_submitted(self, run_id: str, number: int, log_dir: Path) -> str | None:
+        """A job of a submission whose outcome was never recorded (the supervisor died)."""
+        finder = getattr(self.cluster, "find_jobs", None)
+        if finder is not None:
+            try:
+                ids = finder(job_name(run_id, number))
+            except SourceUnavailable:
+                ids = []
+            if ids:
+                return str(sorted(ids)[-1])
+        if log_dir.is_dir():
+            ids = [p.name for p in log_dir.iterdir() if p.is_dir() and re.fullmatch(r"\d+", p.name)]
+            if ids:
+                return sorted(ids, key=int)[-1]
+        return None
+
+    # ------------------------------------------------------------------ remedies
+
+    def apply(self, ctx: ActContext, remedy: Remedy) -> bool:
+        """Carry out one remedy (or resume it); True when it is done now."""
+        if remedy.kind is RemedyKind.NONE:
+            return True
+        kind = ActionKind(remedy.kind.value)
+        evidence = remedy_evidence(remedy, ctx)
+        key = self._begin(ctx.run_id, ctx.attempt, kind, remedy.target, evidence)
+        if key is None:
+            return True
+        return self._carry_out(key, ctx, remedy)
+
+    def resume(self, action: Action, ctx: ActContext) -> bool:
+        """Finish an action whose intent survived a crash, from its recorded evidence."""
+        ev = action.evidence_json
+        remedy = Remedy(
+            kind=RemedyKind(action.kind),
+            reason=str(ev.get("reason", "resumed")),
+            to_step=ev.get("to_step"),
+            skip_ranges=tuple(tuple(r) for r in ev.get("skip_ranges", ())),  # type: ignore[misc]
+            exclude_nodes=tuple(ev.get("exclude_nodes", ())),
+        )
+        ctx = ActContext(**{**ctx.__dict__, "step": ev.get("step", ctx.step)})
+        return self._carry_out(action.key, ctx, remedy)
+
+    def _carry_out(self, key: str, ctx: ActContext, remedy: Remedy) -> bool:
+        notify = dict(run_id=ctx.run_id, attempt=ctx.attempt, remedy=remedy.kind.value)
+        if remedy.kind is RemedyKind.OBSERVE:
+            self._finish(key, True, {})
+            self.notifier.send(f"[nightwatch] {ctx.run_id}: {remedy.reason}", **notify)
+            return True
+        if remedy.kind is RemedyKind.ESCALATE:
+            with self.db.write_session() as s:
+                store.transition_run(
+                    s,
+                    ctx.run_id,
+                    RunState.NEEDS_ATTENTION,
+                    reason=remedy.reason,
+                    attempt=ctx.attempt,
+                )
+            self._finish(key, True, {})
+            self.notifier.send(
+                f"[nightwatch] {ctx.run_id} NEEDS ATTENTION: {remedy.reason}", **notify
+            )
+            return True
+        try:
+            self._stop_job(ctx)
+        except SourceUnavailable as exc:
+            log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
+            return False
+        with self.db.session() as s:
+            run = store.get_run(s, ctx.run_id)
+        updates: dict[str, Any] = {}
+        if remedy.kind is RemedyKind.ROLLBACK and remedy.skip_ranges:
+            updates["skip_ranges_json"] = merge_ranges([*run.skip_ranges_json, *remedy.skip_ranges])
+        if remedy.kind is RemedyKind.EXCLUDE_NODE:
+            excluded = {*run.excluded_nodes_json, *remedy.exclude_nodes}
+            updates["excluded_nodes_json"] = sorted(excluded)
+            self._exclude_nodes(run, remedy, ctx)
+        resume = remedy.to_step if remedy.kind is RemedyKind.ROLLBACK else None
+        if resume is not None:
+            updates["resume_step"] = resume
+        if updates:
+            with self.db.write_session() as s:
+                store.update_run(s, ctx.run_id, **updates)
+        if run.current_attempt == ctx.attempt and run.state is not RunState.RECOVERING:
+            with self.db.write_session() as s:
+                store.transition_run(
+                    s, ctx.run_id, RunState.RECOVERING, reason=remedy.reason, attempt=ctx.attempt
+                )
+        job_id = self.submit_attempt(
+            ctx.run_id, ctx.attempt + 1, resume_step=resume, reason=remedy.reason
+        )
+        resume_from = resume if resume is not None else ctx.resume_from
+        self._finish(
+            key,
+            job_id is not None,
+            {"next_attempt": ctx.attempt + 1, "job_id": job_id, "resume_from": resume_from},
+        )
+        self.notifier.send(f"[nightwatch] {ctx.run_id}: {remedy.reason}", **notify)
+        return True
+
+    def _stop_job(self, ctx: ActContext) -> None:
+        if ctx.job_id and ctx.job_active:
+            self.cluster.cancel(ctx.job_id)
+        with self.db.write_session() as s:
+            attempt = _attempt(s, ctx.run_id, ctx.attempt)
+            if attempt is not None and attempt.ended_at is None:
+                fields: dict[str, Any] = {"ended_at": datetime.now(UTC)}
+                if ctx.job_active:
+                    fields.update(state=AttemptState.CANCELLED, end_reason="cancelled by watchdog")
+                store.update_attempt(s, ctx.run_id, ctx.attempt, **fields)
+
+    def _exclude_nodes(self, run: Run, remedy: Remedy, ctx: ActContext) -> None:
+        spec = RunSpec.model_validate(run.spec_json)
+        for node in remedy.exclude_nodes:
+            with self.db.write_session() as s:
+                store.set_node_health(s, node, NodeHealth.EXCLUDED, remedy.reason, strike=True)
+            if spec.recovery.drain_excluded_nodes:
+                try:
+                    self.cluster.drain(node, f"nightwatch: {remedy.reason}"[:200])
+                except (SourceUnavailable, Unsupported) as exc:
+                    log.warning(f"drain {node} failed: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
+
+    def cancel_run(self, run_id: str, attempt: int, job_id: str | None, active: bool) -> bool:
+        """A user's cancel request: stop the job, then the run is CANCELLED."""
+        key = self._begin(run_id, attempt, ActionKind.CANCEL, job_id or "-", {"job_id": job_id})
+        if key is None:
+            return True
+        try:
+            if job_id and active:
+                self.cluster.cancel(job_id)
+        except SourceUnavailable as exc:
+            log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(run_id, attempt))
+            return False
+        with self.db.write_session() as s:
+            store.transition_run(
+                s, run_id, RunState.CANCELLED, reason="cancelled by user", attempt=attempt
+            )
+        self._finish(key, True, {})
+        return True
+
+    def complete_run(self, run_id: str, attempt: int, step: int) -> None:
+        key = self._begin(run_id, attempt, ActionKind.COMPLETE, str(step), {"step": step})
+        if key is None:
+            return
+        with self.db.write_session() as s:
+            store.transition_run(
+                s,
+                run_id,
+                RunState.SUCCEEDED,
+                reason=f"reached step {step}",
+                attempt=attempt,
+                last_step=step,
+            )
+        self._finish(key, True, {})
+        self.notifier.send(f"[nightwatch] {run_id} succeeded at step {step}", run_id=run_id)
+
+
+def _attempt(session: Session, run_id: str, number: int) -> Attempt | None:
+    return session.scalar(select(Attempt).where(Attempt.run_id == run_id, Attempt.number == number))
+
+
+def _ctx(run_id: str, attempt: int) -> dict[str, Any]:
+    return {"run_id": run_id, "attempt": attempt}

@@ -1,0 +1,534 @@
+"""Pure detectors: `(Snapshot, RecoverySpec) -> list[Finding]`, each with its evidence.
+
+Rules every detector keeps:
+- metrics-based detectors look only at an UP metrics view; stale, missing or failed data
+  yields no finding (the policy reports it, nothing convicts or clears on it);
+- job-based detectors look only at an UP SLURM view;
+- "sustained" is counted in distinct training steps, never in repeated scrapes of one step;
+- the onset of a numeric fault is bounded by the last sample seen healthy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import statistics
+from collections.abc import Callable, Sequence
+
+from supervisor.spec import RecoverySpec
+from supervisor.watchdog.snapshot import (
+    METRIC_WINDOW_STEPS,
+    Cause,
+    Finding,
+    FindingKind,
+    JobState,
+    MetricSample,
+    Snapshot,
+    SourceHealth,
+)
+
+#: Fewest baseline samples before a loss spike or throughput drop can be judged at all.
+MIN_BASELINE_SAMPLES = 5
+#: Fewest samples a loss baseline is made of when the step window holds fewer.
+BASELINE_MIN_POINTS = 12
+#: 1.4826 × MAD estimates the standard deviation of normal noise.
+MAD_TO_SIGMA = 1.4826
+
+Detector = Callable[[Snapshot, RecoverySpec], list[Finding]]
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def by_step(samples: Sequence[MetricSample]) -> list[MetricSample]:
+    """One sample per training step (the latest observation of it), oldest first."""
+    out: list[MetricSample] = []
+    for s in samples:
+        if s.step is None:
+            continue
+        if out and out[-1].step == s.step:
+            out[-1] = s
+        elif not out or s.step > (out[-1].step or 0):
+            out.append(s)
+        else:  # the step went backwards: a restart inside the window; keep the newer history
+            out = [s]
+    return out
+
+
+def _metrics_ok(snap: Snapshot) -> bool:
+    return snap.metrics.health is SourceHealth.UP and bool(snap.metrics.samples)
+
+
+def _window(a: MetricSample | None, b: MetricSample) -> tuple[int, int] | None:
+    """Global samples consumed after observation `a` up to observation `b` (half-open)."""
+    if a is None or a.samples_consumed is None or b.samples_consumed is None:
+        return None
+    lo, hi = a.samples_consumed, b.samples_consumed
+    return (lo, hi) if hi > lo else None
+
+
+def _onset_fields(healthy: MetricSample | None, first_bad: MetricSample) -> dict[str, object]:
+    return {
+        "fault_time": healthy.t if healthy is not None else first_bad.t,
+        "last_healthy_step": healthy.step if healthy is not None else None,
+        "first_bad_step": first_bad.step,
+        "sample_window": _window(healthy, first_bad),
+    }
+
+
+# --- numeric faults ---------------------------------------------------------------------------
+
+
+def _is_nonfinite(s: MetricSample) -> bool:
+    if s.nonfinite_total is not None and s.nonfinite_total > 0:
+        return True
+    values = (s.loss, s.grad_norm, s.loss_window_max, s.grad_norm_window_max)
+    return any(v is not None and not math.isfinite(v) for v in values)
+
+
+def detect_nonfinite(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """NaN/Inf loss or grad norm: one is enough (the nonfinite counter survives scrapes)."""
+    if not _metrics_ok(snap):
+        return []
+    samples = snap.metrics.samples
+    first = next((i for i, s in enumerate(samples) if _is_nonfinite(s)), None)
+    if first is None:
+        return []
+    bad = samples[first]
+    healthy = next((s for s in reversed(samples[:first]) if s.step is not None), None)
+    latest = samples[-1]
+    return [
+        Finding(
+            kind=FindingKind.NONFINITE,
+            summary=f"non-finite loss/grad norm after step {healthy.step if healthy else '?'}",
+            cause=Cause.DATA,
+            evidence={
+                "nonfinite_steps_total": latest.nonfinite_total,
+                "loss": _json_float(latest.loss),
+                "grad_norm": _json_float(latest.grad_norm),
+                "first_bad_at": bad.t,
+            },
+            **_onset_fields(healthy, bad),  # type: ignore[arg-type]
+        )
+    ]
+
+
+def _json_float(x: float | None) -> float | str | None:
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
+
+
+def spike_threshold(losses: Sequence[float], rc: RecoverySpec) -> tuple[float, float, float]:
+    """(threshold, median, mad): a loss must beat both median + f·σ̂ and ratio × median."""
+    med = statistics.median(losses)
+    mad = statistics.median(abs(x - med) for x in losses)
+    thr = max(med + rc.loss_spike_mad_factor * MAD_TO_SIGMA * mad, rc.loss_spike_ratio * med)
+    return thr, med, mad
+
+
+def _elevated_steps(episode: Sequence[MetricSample], thr: float, after_step: int) -> set[int]:
+    """Steps known to be above `thr`: a sample's own step, or its whole window if even the
+    window minimum is above (so a spike between two scrapes counts its real length)."""
+    steps: set[int] = set()
+    for s in episode:
+        assert s.step is not None
+        if _finite(s.loss) and s.loss > thr:  # type: ignore[operator]
+            steps.add(s.step)
+        if _finite(s.loss_window_min) and s.loss_window_min > thr:  # type: ignore[operator]
+            lo = max(after_step + 1, s.step - METRIC_WINDOW_STEPS + 1)
+            steps.update(range(lo, s.step + 1))
+    return steps
+
+
+def _trailing_episode(
+    points: Sequence[MetricSample], is_high: Callable[[MetricSample], bool]
+) -> int | None:
+    """Index where the trailing run of high samples starts (None: the last sample is fine)."""
+    start = None
+    for i in range(len(points) - 1, -1, -1):
+        if not is_high(points[i]):
+            break
+        start = i
+    return start
+
+
+def _baseline(points: Sequence[MetricSample], end: int, rc: RecoverySpec) -> list[MetricSample]:
+    """The trailing `loss_spike_window` steps before index `end`; when scrapes are sparse
+    (few samples in that many steps), the last BASELINE_MIN_POINTS samples instead."""
+    head = points[:end]
+    if not head:
+        return []
+    first_step = (head[-1].step or 0) - rc.loss_spike_window
+    window = [p for p in head if (p.step or 0) >= first_step]
+    return window if len(window) >= BASELINE_MIN_POINTS else list(head[-BASELINE_MIN_POINTS:])
+
+
+def detect_loss_spike(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """Loss above a robust baseline (median/MAD of the trailing window AND ratio × median),
+    sustained for `loss_spike_sustain_steps` distinct steps, still high at the last sample."""
+    if not _metrics_ok(snap):
+        return []
+    points = [p for p in by_step(snap.metrics.samples) if _finite(p.loss)]
+    if len(points) <= MIN_BASELINE_SAMPLES:
+        return []
+    window = _baseline(points, len(points), rc)
+
+    def high(thr: float) -> Callable[[MetricSample], bool]:
+        def is_high(p: MetricSample) -> bool:
+            wmax = p.loss_window_max if _finite(p.loss_window_max) else p.loss
+            return p.loss > thr or wmax > thr  # type: ignore[operator]
+
+        return is_high
+
+    thr, med, mad = spike_threshold([p.loss for p in window], rc)  # type: ignore[misc]
+    start = _trailing_episode(points, high(thr))
+    if start is None:
+        return []
+    # Median/MAD shrug off a short spike; a long one would drag them up, so re-judge
+    # against the trailing window that ends where the episode starts.
+    baseline = _baseline(points, start, rc)
+    if len(baseline) < MIN_BASELINE_SAMPLES:
+        return []
+    thr, med, mad = spike_threshold([p.loss for p in baseline], rc)  # type: ignore[misc]
+    start = _trailing_episode(points, high(thr))
+    if start is None or start == 0:
+        return []
+    healthy, episode = points[start - 1], points[start:]
+    steps = _elevated_steps(episode, thr, healthy.step or 0)
+    if len(steps) < rc.loss_spike_sustain_steps:
+        return []
+    latest = episode[-1]
+    return [
+        Finding(
+            kind=FindingKind.LOSS_SPIKE,
+            summary=(
+                f"loss {latest.loss:.3g} vs baseline median {med:.3g} "
+                f"for {len(steps)} steps after step {healthy.step}"
+            ),
+            cause=Cause.DATA,
+            evidence={
+                "loss": latest.loss,
+                "loss_window_max": latest.loss_window_max,
+                "baseline_median": med,
+                "baseline_mad": mad,
+                "threshold": thr,
+                "elevated_steps": len(steps),
+                "baseline_samples": len(baseline),
+            },
+            **_onset_fields(healthy, episode[0]),  # type: ignore[arg-type]
+        )
+    ]
+
+
+def detect_grad_explosion(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """Grad norm above `grad_norm_max` for `loss_spike_sustain_steps` distinct steps."""
+    if not _metrics_ok(snap):
+        return []
+    limit = rc.grad_norm_max
+    points = [p for p in by_step(snap.metrics.samples) if _finite(p.grad_norm)]
+
+    def is_high(p: MetricSample) -> bool:
+        wmax = p.grad_norm_window_max if _finite(p.grad_norm_window_max) else p.grad_norm
+        return p.grad_norm > limit or wmax > limit  # type: ignore[operator]
+
+    start = _trailing_episode(points, is_high)
+    if start is None:
+        return []
+    healthy = points[start - 1] if start > 0 else None
+    episode = points[start:]
+    steps = {p.step for p in episode if p.grad_norm > limit}  # type: ignore[operator]
+    if len(steps) < rc.loss_spike_sustain_steps:
+        return []
+    latest = episode[-1]
+    return [
+        Finding(
+            kind=FindingKind.GRAD_EXPLOSION,
+            summary=f"grad norm {latest.grad_norm:.3g} > {limit:g} for {len(steps)} steps",
+            cause=Cause.DATA,
+            evidence={
+                "grad_norm": latest.grad_norm,
+                "grad_norm_window_max": latest.grad_norm_window_max,
+                "limit": limit,
+                "elevated_steps": len(steps),
+            },
+            **_onset_fields(healthy, episode[0]),  # type: ignore[arg-type]
+        )
+    ]
+
+
+# --- performance and liveness -----------------------------------------------------------------
+
+
+def detect_throughput_drop(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """Tokens/s of the last k steps all below ratio × the attempt's own median."""
+    if not _metrics_ok(snap):
+        return []
+    k = rc.loss_spike_sustain_steps
+    points = [p for p in by_step(snap.metrics.samples) if _finite(p.tokens_per_second)]
+    if len(points) < MIN_BASELINE_SAMPLES + k:
+        return []
+    baseline = statistics.median(p.tokens_per_second for p in points[:-k])  # type: ignore[misc]
+    recent = [p.tokens_per_second for p in points[-k:]]
+    if baseline <= 0 or any(v >= rc.throughput_drop_ratio * baseline for v in recent):  # type: ignore[operator]
+        return []
+    return [
+        Finding(
+            kind=FindingKind.THROUGHPUT_DROP,
+            summary=f"tokens/s {recent[-1]:.4g} vs baseline {baseline:.4g}",
+            cause=Cause.UNKNOWN,
+            evidence={"tokens_per_second": recent, "baseline": baseline},
+            fault_time=points[-k].t,
+            first_bad_step=points[-k].step,
+        )
+    ]
+
+
+def detect_straggler(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """A node whose step time exceeds ratio × the median of the other nodes, k samples running."""
+    if not _metrics_ok(snap):
+        return []
+    k = rc.loss_spike_sustain_steps
+    points = [p for p in by_step(snap.metrics.samples) if len(p.step_time) >= 2]
+    if len(points) < k:
+        return []
+    suspects: set[str] | None = None
+    ratios: dict[str, float] = {}
+    for p in points[-k:]:
+        slow = set()
+        for node, t in p.step_time.items():
+            others = [v for n, v in p.step_time.items() if n != node]
+            ref = statistics.median(others)
+            if ref > 0 and t > rc.straggler_ratio * ref:
+                slow.add(node)
+                ratios[node] = t / ref
+        suspects = slow if suspects is None else suspects & slow
+    if not suspects:
+        return []
+    return [
+        Finding(
+            kind=FindingKind.STRAGGLER,
+            summary=f"node {node} steps {ratios[node]:.2f}× slower than the others",
+            cause=Cause.NODE,
+            evidence={"ratio": ratios[node], "step_time": dict(points[-1].step_time)},
+            fault_time=points[-k].t,
+            first_bad_step=points[-k].step,
+            nodes=(node,),
+        )
+        for node in sorted(suspects)
+    ]
+
+
+def median_step_time(samples: Sequence[MetricSample]) -> float | None:
+    """Typical seconds per step: the nodes' window averages, else the observed step rate."""
+    latest = samples[-1] if samples else None
+    if latest is not None and latest.step_time:
+        return statistics.median(latest.step_time.values())
+    pts = [p for p in by_step(samples) if p.last_step_ts is not None]
+    rates = [
+        (b.last_step_ts - a.last_step_ts) / (b.step - a.step)  # type: ignore[operator]
+        for a, b in itertools.pairwise(pts)
+        if b.step != a.step
+    ]
+    return statistics.median(rates) if rates else None
+
+
+def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """No step finished for max(hang_factor × median step time, floor) while the job runs."""
+    if not _metrics_ok(snap) or snap.job.health is not SourceHealth.UP:
+        return []
+    if snap.job.state is not JobState.RUNNING:
+        return []
+    latest = snap.metrics.samples[-1]
+    if latest.last_step_ts is None or latest.last_step_ts <= 0 or latest.up == 0:
+        return []
+    typical = median_step_time(snap.metrics.samples)
+    limit = rc.hang_floor_seconds
+    if typical:
+        limit = max(rc.hang_factor * typical, limit)
+    idle = snap.now - latest.last_step_ts
+    if idle <= limit:
+        return []
+    return [
+        Finding(
+            kind=FindingKind.HANG,
+            summary=f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}",
+            cause=Cause.UNKNOWN,
+            evidence={"idle_seconds": idle, "limit_seconds": limit, "median_step_time": typical},
+            fault_time=latest.last_step_ts,
+            last_healthy_step=latest.step,
+            nodes=snap.job.nodes,
+        )
+    ]
+
+
+def detect_replica_mismatch(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """Replicas that should be bit-identical differ: silent data corruption or a seeding bug."""
+    if not _metrics_ok(snap):
+        return []
+    samples = snap.metrics.samples
+    first = next((i for i, s in enumerate(samples) if (s.replica_mismatches_total or 0) > 0), None)
+    if first is None:
+        return []
+    healthy = samples[first - 1] if first > 0 else None
+    latest = samples[-1]
+    return [
+        Finding(
+            kind=FindingKind.REPLICA_MISMATCH,
+            summary=f"{latest.replica_mismatches_total:g} replica checksum mismatches",
+            cause=Cause.UNKNOWN,
+            evidence={
+                "mismatches": latest.replica_mismatches_total,
+                "checks": latest.replica_checks_total,
+            },
+            **_onset_fields(healthy, samples[first]),  # type: ignore[arg-type]
+            nodes=snap.job.nodes,
+        )
+    ]
+
+
+def detect_checkpoint_problems(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """Failed saves, and checkpoints falling behind: more than factor × interval steps old."""
+    if not _metrics_ok(snap):
+        return []
+    latest = snap.metrics.samples[-1]
+    out: list[Finding] = []
+    if (latest.checkpoint_failures_total or 0) > 0:
+        out.append(
+            Finding(
+                kind=FindingKind.CHECKPOINT_FAILURE,
+                summary=f"{latest.checkpoint_failures_total:g} checkpoint saves failed",
+                cause=Cause.INFRA,
+                evidence={"failures": latest.checkpoint_failures_total},
+                fault_time=latest.t,
+            )
+        )
+    if latest.step is not None and latest.checkpoint_step is not None:
+        behind = latest.step - latest.checkpoint_step
+        limit = rc.checkpoint_stall_factor * snap.checkpoint_interval_steps
+        if behind > limit:
+            out.append(
+                Finding(
+                    kind=FindingKind.CHECKPOINT_STALL,
+                    summary=f"newest checkpoint is {behind} steps old (limit {limit:.0f})",
+                    cause=Cause.INFRA,
+                    evidence={
+                        "step": latest.step,
+                        "checkpoint_step": latest.checkpoint_step,
+                        "checkpoint_ts": latest.checkpoint_ts,
+                    },
+                    fault_time=latest.t,
+                    last_healthy_step=latest.checkpoint_step,
+                )
+            )
+    return out
+
+
+# --- SLURM ------------------------------------------------------------------------------------
+
+_NODE_PATTERNS = re.compile(
+    r"NCCL|CUDA error|ECC|Xid|uncorrectable|illegal memory access|bus error|"
+    r"segmentation fault|hardware|device-side assert|connection reset",
+    re.IGNORECASE,
+)
+_CODE_PATTERNS = re.compile(
+    r"SyntaxError|ImportError|ModuleNotFoundError|NameError|AttributeError|TypeError|"
+    r"KeyError|ValidationError|FileNotFoundError|AssertionError",
+)
+
+#: Exit codes from `megatron_runs.exitcodes` (docs/contracts.md).
+EXIT_REQUEUE = 75
+EXIT_INJECTED_CRASH = 76
+
+
+def classify_failure(exit_code: int | None, reason: str | None) -> Cause:
+    """Blame a FAILED job from its exit code and log excerpt; unknown stays unknown."""
+    if exit_code == EXIT_REQUEUE:
+        return Cause.INFRA
+    text = reason or ""
+    if _NODE_PATTERNS.search(text):
+        return Cause.NODE
+    if _CODE_PATTERNS.search(text):
+        return Cause.CODE
+    return Cause.UNKNOWN
+
+
+_JOB_FINDINGS: dict[JobState, tuple[FindingKind, Cause]] = {
+    JobState.NODE_FAIL: (FindingKind.JOB_NODE_FAIL, Cause.NODE),
+    JobState.PREEMPTED: (FindingKind.JOB_PREEMPTED, Cause.INFRA),
+    JobState.TIMEOUT: (FindingKind.JOB_TIMEOUT, Cause.INFRA),
+    JobState.OUT_OF_MEMORY: (FindingKind.JOB_OOM, Cause.CODE),
+    JobState.CANCELLED: (FindingKind.JOB_CANCELLED, Cause.UNKNOWN),
+    JobState.LOST: (FindingKind.JOB_LOST, Cause.UNKNOWN),
+}
+
+
+def detect_job_state(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """Terminal or bad SLURM states of the current attempt's job."""
+    job = snap.job
+    if job.health is not SourceHealth.UP or job.state is None:
+        return []
+    evidence = {
+        "job_id": job.job_id,
+        "state": job.state.value,
+        "exit_code": job.exit_code,
+        "reason": job.reason,
+        "nodes": list(job.nodes),
+    }
+    step = snap.disk_checkpoint_step
+    if job.state is JobState.COMPLETED:
+        if step is None or snap.target_steps is None or step >= snap.target_steps:
+            return []
+        return [
+            Finding(
+                kind=FindingKind.JOB_ENDED_EARLY,
+                summary=f"job ended at checkpoint {step} of {snap.target_steps}: continue",
+                cause=Cause.INFRA,
+                evidence=evidence,
+                fault_time=snap.now,
+                last_healthy_step=step,
+            )
+        ]
+    if job.state is JobState.FAILED:
+        cause = job.cause or classify_failure(job.exit_code, job.reason)
+        if job.exit_code == EXIT_REQUEUE:
+            cause = Cause.INFRA
+        kind = FindingKind.JOB_FAILED
+    elif job.state in _JOB_FINDINGS:
+        kind, cause = _JOB_FINDINGS[job.state]
+    else:
+        return []
+    # Only nodes SLURM names as failed are blamed directly; the policy infers the rest.
+    nodes = job.failed_nodes
+    return [
+        Finding(
+            kind=kind,
+            summary=f"job {job.job_id} {job.state.value}"
+            + (f": {job.reason}" if job.reason else ""),
+            cause=cause,
+            evidence=evidence,
+            fault_time=snap.now,
+            last_healthy_step=step,
+            nodes=nodes,
+        )
+    ]
+
+
+ALL_DETECTORS: tuple[Detector, ...] = (
+    detect_job_state,
+    detect_nonfinite,
+    detect_loss_spike,
+    detect_grad_explosion,
+    detect_hang,
+    detect_replica_mismatch,
+    detect_straggler,
+    detect_checkpoint_problems,
+    detect_throughput_drop,
+)
+
+
+def detect_all(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """Every detector's findings, most urgent first (the order of ALL_DETECTORS)."""
+    return [f for detector in ALL_DETECTORS for f in detector(snap, rc)]

@@ -1,0 +1,298 @@
+"""Pure policy: findings + run history + budgets → exactly one Remedy.
+
+The ladder for a fault that keeps coming back, per fault family:
+- numeric (NaN, loss spike, grad explosion): blame the data first (roll back before the
+  onset, skip the samples); if it recurs right after the skipped window, skip more (within
+  `max_rollbacks_per_incident`); if it recurs elsewhere or the budget is spent, suspect a node;
+  if it followed the job onto fresh nodes, suspect data/code: roll back if not tried, else a
+  person decides.
+- hang / crash: restart once; if it recurs, suspect the nodes common to every faulty attempt.
+- preemption / walltime: requeue (never counted as a restart).
+Budgets: restarts per window (restart storm), excluded nodes per run, no progress across
+remedies; exhausted → ESCALATE. Sources that are down never lead to a destructive remedy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from supervisor.spec import RecoverySpec
+from supervisor.watchdog.snapshot import (
+    NUMERIC_FAULTS,
+    Cause,
+    Finding,
+    FindingKind,
+    PastRemedy,
+    Remedy,
+    RemedyKind,
+    RunHistory,
+    Snapshot,
+    SourceHealth,
+)
+
+#: Remedies in a row that did not move training past where the first of them was decided.
+NO_PROGRESS_REMEDIES = 3
+
+_HANG_FAMILY = frozenset({FindingKind.HANG})
+_CRASH_FAMILY = frozenset({FindingKind.JOB_FAILED, FindingKind.JOB_LOST})
+_INFRA_CONTINUE = frozenset(
+    {FindingKind.JOB_PREEMPTED, FindingKind.JOB_TIMEOUT, FindingKind.JOB_ENDED_EARLY}
+)
+
+
+def family(kind: FindingKind) -> frozenset[FindingKind]:
+    """Findings that are the same fault seen differently (recurrence is judged per family)."""
+    if kind in NUMERIC_FAULTS:
+        return NUMERIC_FAULTS
+    if kind in _HANG_FAMILY:
+        return _HANG_FAMILY
+    if kind in _CRASH_FAMILY:
+        return _CRASH_FAMILY
+    return frozenset({kind})
+
+
+def _recent(history: RunHistory, rc: RecoverySpec, now: float) -> list[PastRemedy]:
+    horizon = now - rc.restart_window_minutes * 60
+    return [r for r in history.remedies if r.at >= horizon]
+
+
+def _counted_restarts(remedies: Sequence[PastRemedy]) -> list[PastRemedy]:
+    """Resubmissions that count against the restart budget (requeues are nobody's fault)."""
+    return [r for r in remedies if r.kind.resubmits and r.kind is not RemedyKind.REQUEUE]
+
+
+def _escalate(reason: str, finding: Finding | None, suspect: Cause = Cause.UNKNOWN) -> Remedy:
+    return Remedy(RemedyKind.ESCALATE, reason, finding=finding, suspect=suspect)
+
+
+def _budget_check(
+    history: RunHistory, rc: RecoverySpec, now: float, step: int | None, finding: Finding
+) -> Remedy | None:
+    """Restart storm and no-progress cycles stop the ladder before it loops."""
+    restarts = _counted_restarts(_recent(history, rc, now))
+    if len(restarts) >= rc.max_restarts:
+        return _escalate(
+            f"restart storm: {len(restarts)} restarts in {rc.restart_window_minutes} min",
+            finding,
+        )
+    last = _counted_restarts(history.remedies)[-NO_PROGRESS_REMEDIES:]
+    if (
+        len(last) == NO_PROGRESS_REMEDIES
+        and step is not None
+        and last[0].step is not None
+        and step <= last[0].step
+    ):
+        return _escalate(
+            f"no progress: step {step} after {NO_PROGRESS_REMEDIES} remedies from step "
+            f"{last[0].step}",
+            finding,
+        )
+    return None
+
+
+def node_suspects(finding: Finding, prior: Sequence[PastRemedy], history: RunHistory) -> list[str]:
+    """Nodes that were part of every faulty attempt (and not yet excluded), worst first."""
+    if finding.nodes:
+        candidates = set(finding.nodes)
+    else:
+        candidates = set(history.attempt_nodes)
+        for r in prior:
+            if r.attempt_nodes:
+                candidates &= set(r.attempt_nodes)
+    candidates -= history.excluded_nodes
+    return sorted(candidates, key=lambda n: (-history.node_strikes.get(n, 0), n))
+
+
+def _exclude(
+    nodes: Sequence[str], finding: Finding, history: RunHistory, rc: RecoverySpec, why: str
+) -> Remedy:
+    if not nodes:
+        return _escalate(f"{why}; no node left to suspect", finding, Cause.CODE)
+    if len(history.excluded_nodes) + len(nodes) > rc.max_excluded_nodes:
+        return _escalate(
+            f"{why}; exclusion budget spent ({len(history.excluded_nodes)} of "
+            f"{rc.max_excluded_nodes} nodes excluded)",
+            finding,
+            Cause.NODE,
+        )
+    return Remedy(
+        RemedyKind.EXCLUDE_NODE,
+        f"{why}: exclude {', '.join(nodes)}",
+        finding=finding,
+        suspect=Cause.NODE,
+        exclude_nodes=tuple(nodes),
+    )
+
+
+def _node_ladder(
+    finding: Finding,
+    prior: Sequence[PastRemedy],
+    history: RunHistory,
+    rc: RecoverySpec,
+    why: str,
+) -> Remedy:
+    suspects = node_suspects(finding, prior, history)
+    return _exclude(suspects[:1], finding, history, rc, why)
+
+
+def rollback_target(finding: Finding, history: RunHistory) -> int:
+    """Newest checkpoint at or before the last healthy step (0 = start from scratch)."""
+    if finding.last_healthy_step is not None:
+        limit = finding.last_healthy_step
+    elif finding.first_bad_step is not None:
+        limit = finding.first_bad_step - 1
+    else:
+        limit = -1
+    steps = [c.step for c in history.checkpoints if c.step <= limit]
+    return max(steps, default=0)
+
+
+def _rollback(
+    finding: Finding, history: RunHistory, rc: RecoverySpec, global_batch: int, why: str
+) -> Remedy:
+    skips: tuple[tuple[int, int], ...] = ()
+    if finding.sample_window is not None:
+        lo, hi = finding.sample_window
+        skips = ((lo, hi + rc.rollback_skip_steps * global_batch),)
+    to_step = rollback_target(finding, history)
+    return Remedy(
+        RemedyKind.ROLLBACK,
+        f"{why}: roll back to step {to_step}"
+        + (f", skip samples [{skips[0][0]}, {skips[0][1]})" if skips else ""),
+        finding=finding,
+        suspect=Cause.DATA,
+        to_step=to_step,
+        skip_ranges=skips,
+    )
+
+
+def _adjoins_skips(finding: Finding, remedies: Sequence[PastRemedy], global_batch: int) -> bool:
+    """The new bad window starts where an earlier skip ended: the bad data runs on."""
+    if finding.sample_window is None:
+        return False
+    lo, _ = finding.sample_window
+    return any(s_lo <= lo <= s_hi + global_batch for r in remedies for s_lo, s_hi in r.skip_ranges)
+
+
+def _numeric(
+    finding: Finding,
+    prior: Sequence[PastRemedy],
+    history: RunHistory,
+    rc: RecoverySpec,
+    global_batch: int,
+) -> Remedy:
+    if not prior:
+        return _rollback(finding, history, rc, global_batch, f"{finding.kind.value}")
+    last = prior[-1]
+    rollbacks = [r for r in prior if r.kind is RemedyKind.ROLLBACK]
+    trailing = 0
+    for r in reversed(prior):
+        if r.kind is not RemedyKind.ROLLBACK:
+            break
+        trailing += 1
+    if last.kind is RemedyKind.ROLLBACK:
+        if _adjoins_skips(finding, rollbacks, global_batch):
+            if trailing < rc.max_rollbacks_per_incident:
+                return _rollback(
+                    finding, history, rc, global_batch, "bad data continues past the skip"
+                )
+            why = f"{trailing} rollbacks did not cure {finding.kind.value}: suspect a node"
+        else:
+            why = f"{finding.kind.value} recurred at other data after a rollback: suspect a node"
+        return _node_ladder(finding, prior, history, rc, why)
+    if last.kind is RemedyKind.EXCLUDE_NODE:
+        faulty = [r for r in prior if r.attempt_nodes]
+        suspects = node_suspects(finding, faulty, history)
+        if suspects:
+            return _exclude(
+                suspects[:1], finding, history, rc, f"{finding.kind.value} persists on a node"
+            )
+        if not rollbacks:
+            return _rollback(
+                finding, history, rc, global_batch, "fault followed the job to new nodes"
+            )
+        return _escalate(
+            f"{finding.kind.value} followed the job to new nodes after rollback: data or code",
+            finding,
+            Cause.CODE,
+        )
+    return _rollback(finding, history, rc, global_batch, f"{finding.kind.value} after restart")
+
+
+def _restart_then_nodes(
+    finding: Finding, prior: Sequence[PastRemedy], history: RunHistory, rc: RecoverySpec
+) -> Remedy:
+    if finding.cause is Cause.NODE and finding.nodes:
+        return _exclude(
+            [n for n in finding.nodes if n not in history.excluded_nodes],
+            finding,
+            history,
+            rc,
+            finding.summary,
+        )
+    if finding.cause is Cause.CODE:
+        return _escalate(f"program error: {finding.summary}", finding, Cause.CODE)
+    if not prior:
+        return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
+    return _node_ladder(
+        finding, prior, history, rc, f"{finding.kind.value} recurred after {len(prior)} remedies"
+    )
+
+
+def decide(
+    snap: Snapshot, findings: Sequence[Finding], history: RunHistory, rc: RecoverySpec
+) -> Remedy:
+    """The one remedy for this run now. `findings` come most urgent first (detect_all)."""
+    if not findings:
+        return Remedy(RemedyKind.NONE, "healthy" if _sources_up(snap) else "unknown")
+    finding = findings[0]
+    if snap.job.health is not SourceHealth.UP:
+        return Remedy(
+            RemedyKind.OBSERVE,
+            f"{finding.summary}; SLURM state unknown, no destructive action",
+            finding=finding,
+        )
+    kind = finding.kind
+    if kind in _INFRA_CONTINUE or (kind is FindingKind.JOB_FAILED and finding.cause is Cause.INFRA):
+        return Remedy(RemedyKind.REQUEUE, finding.summary, finding=finding, suspect=Cause.INFRA)
+    if kind is FindingKind.JOB_OOM:
+        return _escalate(f"out of memory: {finding.summary}", finding, Cause.CODE)
+    if kind is FindingKind.JOB_CANCELLED:
+        return _escalate("job cancelled outside nightwatch", finding)
+    if kind in (FindingKind.REPLICA_MISMATCH, FindingKind.CHECKPOINT_STALL):
+        return _escalate(finding.summary, finding)
+    if kind in (FindingKind.CHECKPOINT_FAILURE, FindingKind.THROUGHPUT_DROP):
+        return Remedy(RemedyKind.OBSERVE, finding.summary, finding=finding)
+    step = _current_step(snap)
+    budget = _budget_check(history, rc, snap.now, step, finding)
+    if budget is not None:
+        return budget
+    prior = [
+        r
+        for r in _recent(history, rc, snap.now)
+        if r.finding_kind is not None and r.finding_kind in family(kind)
+    ]
+    if kind in NUMERIC_FAULTS:
+        return _numeric(finding, prior, history, rc, snap.global_batch_size)
+    if kind in (FindingKind.STRAGGLER, FindingKind.JOB_NODE_FAIL):
+        if finding.nodes:
+            return _exclude(
+                [n for n in finding.nodes if n not in history.excluded_nodes],
+                finding,
+                history,
+                rc,
+                finding.summary,
+            )
+        return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
+    return _restart_then_nodes(finding, prior, history, rc)
+
+
+def _sources_up(snap: Snapshot) -> bool:
+    return snap.job.health is SourceHealth.UP and snap.metrics.health is SourceHealth.UP
+
+
+def _current_step(snap: Snapshot) -> int | None:
+    latest = snap.metrics.latest
+    if latest is not None and latest.step is not None:
+        return latest.step
+    return snap.disk_checkpoint_step

@@ -1,0 +1,838 @@
+"""The reconcile loop: every tick, for every active run, observe → detect → decide → act.
+
+Level-triggered: each tick recomputes from actual state — the database, ONE batched SLURM
+poll for all current jobs, one metrics collection for all runs, checkpoints on disk — so
+nothing depends on having seen an event, and a restarted supervisor picks up where the world
+is. One actor at a time: a tick only acts while this replica holds the `leases` row (a
+compare-and-set with expiry, which works the same on SQLite and PostgreSQL). An action whose
+intent survived a crash is resumed before anything new is decided for that run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from sqlalchemy import func, select
+
+from supervisor import store
+from supervisor.db import Database
+from supervisor.joblog import LogKind, classify, suspect_hosts
+from supervisor.metrics import SupervisorMetrics
+from supervisor.models import (
+    ACTIVE_RUN_STATES,
+    Action,
+    ActionState,
+    Attempt,
+    AttemptState,
+    Incident,
+    IncidentState,
+    Node,
+    NodeHealth,
+    Run,
+    RunState,
+)
+from supervisor.prometheus import MetricSource, PrometheusSource, ScrapeSource, Target
+from supervisor.settings import Settings
+from supervisor.slurm import Cluster, JobStatus, SourceUnavailable, make_cluster, tail
+from supervisor.slurm import JobState as SlurmState
+from supervisor.spec import RunSpec
+from supervisor.watchdog import accounting
+from supervisor.watchdog.actions import (
+    ActContext,
+    ActionKind,
+    Actuator,
+    ActuatorConfig,
+    attempt_log_dir,
+    checkpoint_dir,
+)
+from supervisor.watchdog.detectors import EXIT_INJECTED_CRASH, EXIT_REQUEUE, detect_all
+from supervisor.watchdog.notify import Notifier
+from supervisor.watchdog.policy import decide
+from supervisor.watchdog.snapshot import (
+    Cause,
+    CheckpointRef,
+    Finding,
+    FindingKind,
+    JobState,
+    JobView,
+    MetricsView,
+    PastRemedy,
+    Remedy,
+    RemedyKind,
+    RunHistory,
+    Snapshot,
+    SourceHealth,
+)
+from supervisor.watchdog.telemetry import WatchdogMetrics
+
+log = logging.getLogger("nightwatch.watchdog")
+
+_JOB_STATE: dict[SlurmState, JobState] = {
+    SlurmState.PENDING: JobState.PENDING,
+    SlurmState.REQUEUED: JobState.PENDING,
+    SlurmState.RUNNING: JobState.RUNNING,
+    SlurmState.COMPLETED: JobState.COMPLETED,
+    SlurmState.FAILED: JobState.FAILED,
+    SlurmState.CANCELLED: JobState.CANCELLED,
+    SlurmState.NODE_FAIL: JobState.NODE_FAIL,
+    SlurmState.BOOT_FAIL: JobState.NODE_FAIL,
+    SlurmState.PREEMPTED: JobState.PREEMPTED,
+    SlurmState.TIMEOUT: JobState.TIMEOUT,
+    SlurmState.DEADLINE: JobState.TIMEOUT,
+    SlurmState.OUT_OF_MEMORY: JobState.OUT_OF_MEMORY,
+}
+_ATTEMPT_STATE: dict[JobState, AttemptState] = {
+    JobState.RUNNING: AttemptState.RUNNING,
+    JobState.COMPLETED: AttemptState.COMPLETED,
+    JobState.FAILED: AttemptState.FAILED,
+    JobState.CANCELLED: AttemptState.CANCELLED,
+    JobState.PREEMPTED: AttemptState.PREEMPTED,
+    JobState.TIMEOUT: AttemptState.TIMEOUT,
+    JobState.NODE_FAIL: AttemptState.NODE_FAIL,
+    JobState.OUT_OF_MEMORY: AttemptState.OUT_OF_MEMORY,
+    JobState.LOST: AttemptState.LOST,
+}
+
+
+#: Actions resumed from their intent after a crash (cancel / complete are re-derived each tick).
+_RESUMABLE = [ActionKind.SUBMIT.value] + [k.value for k in RemedyKind if k is not RemedyKind.NONE]
+
+
+def default_holder() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    home: Path
+    supervisor_url: str | None = None
+    tick_seconds: float = 5.0
+    lease_name: str = "reconciler"
+    lease_ttl_s: float = 30.0
+    lost_after_s: float = 300.0
+    gpus: bool = False
+    signal_delay_s: int = 90
+    holder: str = field(default_factory=default_holder)
+
+
+@dataclass
+class TickResult:
+    """What one tick saw and did (for tests, the demo and the benchmark)."""
+
+    leader: bool
+    runs: int = 0
+    duration_s: float = 0.0
+    slurm_up: bool = True
+    metrics_up: bool = True
+    findings: dict[str, list[Finding]] = field(default_factory=dict)
+    remedies: dict[str, Remedy] = field(default_factory=dict)
+    submitted: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def job_view(
+    status: JobStatus | None,
+    *,
+    slurm_up: bool,
+    attempt: Attempt,
+    now: float,
+    lost_after_s: float,
+    log_cause: LogCause = (None, None, ()),
+) -> JobView:
+    """SLURM's answer for one attempt as the detectors see it (pure)."""
+    if not slurm_up:
+        return JobView(health=SourceHealth.DOWN, job_id=attempt.job_id)
+    if attempt.job_id is None:
+        if attempt.state is AttemptState.FAILED:
+            return JobView(SourceHealth.UP, JobState.LOST, reason=attempt.end_reason)
+        return JobView(health=SourceHealth.MISSING)
+    if status is None or status.state is SlurmState.UNKNOWN:
+        age = now - attempt.submitted_at.timestamp()
+        if age > lost_after_s:
+            return JobView(SourceHealth.UP, JobState.LOST, job_id=attempt.job_id)
+        return JobView(health=SourceHealth.MISSING, job_id=attempt.job_id)
+    cause, reason, hosts = log_cause
+    return JobView(
+        health=SourceHealth.UP,
+        state=_JOB_STATE[status.state],
+        job_id=status.job_id,
+        nodes=status.nodes,
+        exit_code=status.exit_code,
+        reason=reason or status.reason or None,
+        failed_nodes=status.failed_nodes or hosts,
+        cause=cause,
+    )
+
+
+LogCause = tuple[Cause | None, str | None, tuple[str, ...]]  # cause, log line, named hosts
+
+
+def log_cause(text: str, exit_code: int | None, made_progress: bool) -> LogCause:
+    """Blame from a failed job's log (pure): collective errors name nodes, an exception before
+    the first step is a program error, an injected or transient crash stays unknown."""
+    findings = classify(text)
+    hosts = tuple(suspect_hosts(findings))
+    kinds = {f.kind for f in findings}
+    first = findings[-1].line if findings else None
+    if exit_code == EXIT_REQUEUE:
+        return Cause.INFRA, first, ()
+    if LogKind.COLLECTIVE_ERROR in kinds or LogKind.NODE_FAILURE in kinds:
+        return Cause.NODE, first, hosts
+    if LogKind.OUT_OF_MEMORY in kinds:
+        return Cause.CODE, first, ()
+    if exit_code == EXIT_INJECTED_CRASH:
+        return Cause.UNKNOWN, first, ()
+    if LogKind.PYTHON_EXCEPTION in kinds and not made_progress:
+        return Cause.CODE, first, ()
+    return Cause.UNKNOWN if findings else None, first, ()
+
+
+def history_from_rows(
+    actions: Iterable[Action],
+    *,
+    excluded: Iterable[str],
+    strikes: dict[str, int],
+    checkpoints: Sequence[CheckpointRef],
+    attempt_nodes: Sequence[str],
+) -> RunHistory:
+    """The policy's view of the past, rebuilt from the actions' recorded evidence (pure)."""
+    remedies = []
+    kinds = {k.value for k in RemedyKind}
+    for a in actions:
+        if a.kind not in kinds or a.state is ActionState.FAILED:
+            continue
+        ev = a.evidence_json or {}
+        finding_kind = ev.get("finding_kind")
+        remedies.append(
+            PastRemedy(
+                kind=RemedyKind(a.kind),
+                attempt=a.attempt or 0,
+                at=a.created_at.timestamp(),
+                finding_kind=_finding_kind(finding_kind),
+                step=ev.get("step"),
+                skip_ranges=tuple(tuple(r) for r in ev.get("skip_ranges", ())),  # type: ignore[misc]
+                excluded=tuple(ev.get("exclude_nodes", ())),
+                attempt_nodes=tuple(ev.get("attempt_nodes", ())),
+                incident_id=ev.get("incident_id"),
+            )
+        )
+    return RunHistory(
+        remedies=tuple(remedies),
+        excluded_nodes=frozenset(excluded),
+        node_strikes=dict(strikes),
+        checkpoints=tuple(checkpoints),
+        attempt_nodes=tuple(attempt_nodes),
+    )
+
+
+def _finding_kind(value: Any) -> FindingKind | None:
+    try:
+        return FindingKind(value) if value else None
+    except ValueError:
+        return None
+
+
+class Reconciler:
+    def __init__(
+        self,
+        db: Database,
+        cluster: Cluster,
+        source: MetricSource,
+        config: WatchdogConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        supervisor_metrics: SupervisorMetrics | None = None,
+        notifier: Notifier | None = None,
+        clock: Any = time.time,
+    ) -> None:
+        self.db = db
+        self.cluster = cluster
+        self.source = source
+        self.config = config
+        self.clock = clock
+        self.notifier = notifier or Notifier(None)
+        self.registry = registry or CollectorRegistry()
+        self.metrics = WatchdogMetrics(self.registry)
+        self.supervisor_metrics = supervisor_metrics
+        self.actuator = Actuator(
+            db,
+            cluster,
+            ActuatorConfig(
+                home=config.home,
+                supervisor_url=config.supervisor_url,
+                gpus=config.gpus,
+                signal_delay_s=config.signal_delay_s,
+            ),
+            self.notifier,
+        )
+        self._specs: dict[str, RunSpec] = {}
+        self._known_ckpt: dict[str, int] = {}
+        self._log_causes: dict[tuple[str, int], LogCause] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ loop
+
+    def start(self) -> threading.Thread:
+        """Run ticks in a background thread until `stop()` (the API's lifespan owns it)."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run_forever, name="reconciler", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.tick()
+            except Exception:  # one bad tick must not kill the supervisor
+                log.exception("tick failed")
+            self._stop.wait(max(0.0, self.config.tick_seconds - (time.monotonic() - started)))
+
+    # ------------------------------------------------------------------ tick
+
+    def tick(self) -> TickResult:
+        started = time.perf_counter()
+        now = self.clock()
+        with self.db.write_session() as s:
+            leader = store.acquire_lease(
+                s,
+                self.config.lease_name,
+                self.config.holder,
+                timedelta(seconds=self.config.lease_ttl_s),
+            )
+        result = TickResult(leader=leader)
+        if not leader:
+            return result
+        with self.db.session() as s:
+            pending = list(store.runs_in_states(s, [RunState.PENDING]))
+            watched = list(store.runs_in_states(s, [*ACTIVE_RUN_STATES, RunState.NEEDS_ATTENTION]))
+            attempts = self._current_attempts(s, [*pending, *watched])
+            unfinished = self._unfinished_actions(s, [r.id for r in watched])
+            incidents = self._open_incidents(s, [r.id for r in watched])
+        for run in pending:
+            if not run.cancel_requested:
+                try:
+                    self._submit_first(run, attempts.pop(run.id, None), result)
+                except Exception as exc:
+                    log.exception("submit failed", extra={"run_id": run.id})
+                    result.errors[run.id] = f"{type(exc).__name__}: {exc}"
+        job_ids = [a.job_id for a in attempts.values() if a.job_id]
+        try:
+            statuses = self.cluster.poll(job_ids)
+        except SourceUnavailable as exc:
+            log.warning(f"SLURM poll failed: {exc}")
+            statuses, result.slurm_up = {}, False
+        active = [r for r in watched if r.state is not RunState.NEEDS_ATTENTION]
+        keys = [(r.id, r.current_attempt) for r in active]
+        try:
+            views = self.source.collect(keys, now)
+        except Exception as exc:  # a source bug must read as "down", never as "healthy"
+            log.warning(f"metrics source failed: {exc}")
+            views = {k: MetricsView(SourceHealth.DOWN, error=str(exc)) for k in keys}
+        result.metrics_up = not keys or any(
+            v.health is not SourceHealth.DOWN for v in views.values()
+        )
+        for run in watched:
+            attempt = attempts.get(run.id)
+            try:
+                self._reconcile(
+                    run,
+                    attempt,
+                    statuses.get(attempt.job_id) if attempt and attempt.job_id else None,
+                    views.get((run.id, run.current_attempt), MetricsView(SourceHealth.MISSING)),
+                    unfinished.get(run.id),
+                    incidents.get(run.id, []),
+                    now,
+                    result,
+                )
+            except Exception as exc:
+                log.exception("reconcile failed", extra={"run_id": run.id})
+                result.errors[run.id] = f"{type(exc).__name__}: {exc}"
+        result.runs = len(watched)
+        result.duration_s = time.perf_counter() - started
+        self._export(result, now)
+        return result
+
+    def _export(self, result: TickResult, now: float) -> None:
+        m = self.metrics
+        m.tick_duration.observe(result.duration_s)
+        m.last_tick.set(now)
+        m.source_up.labels(source="slurm").set(1 if result.slurm_up else 0)
+        m.source_up.labels(source=self.source.name).set(1 if result.metrics_up else 0)
+        with self.db.session() as s:
+            excluded = s.scalar(
+                select(func.count()).select_from(Node).where(Node.health == NodeHealth.EXCLUDED)
+            )
+            m.excluded_nodes.set(excluded or 0)
+            if self.supervisor_metrics is not None:
+                self.supervisor_metrics.set_run_counts(store.count_runs_by_state(s))
+
+    # ------------------------------------------------------------------ batched reads
+
+    @staticmethod
+    def _current_attempts(session: Any, runs: Sequence[Run]) -> dict[str, Attempt]:
+        if not runs:
+            return {}
+        rows = session.scalars(
+            select(Attempt)
+            .join(Run, Run.id == Attempt.run_id)
+            .where(Attempt.run_id.in_([r.id for r in runs]), Attempt.number == Run.current_attempt)
+        ).all()
+        return {a.run_id: a for a in rows}
+
+    @staticmethod
+    def _unfinished_actions(session: Any, run_ids: Sequence[str]) -> dict[str, Action]:
+        if not run_ids:
+            return {}
+        rows = session.scalars(
+            select(Action)
+            .where(
+                Action.state == ActionState.INTENT,
+                Action.run_id.in_(run_ids),
+                Action.kind.in_(_RESUMABLE),
+            )
+            .order_by(Action.id)
+        ).all()
+        out: dict[str, Action] = {}
+        for a in rows:
+            out.setdefault(a.run_id, a)
+        return out
+
+    @staticmethod
+    def _open_incidents(session: Any, run_ids: Sequence[str]) -> dict[str, list[Incident]]:
+        if not run_ids:
+            return {}
+        rows = session.scalars(
+            select(Incident)
+            .where(
+                Incident.run_id.in_(run_ids),
+                Incident.state.in_([IncidentState.OPEN, IncidentState.REMEDYING]),
+            )
+            .order_by(Incident.id)
+        ).all()
+        out: dict[str, list[Incident]] = {}
+        for i in rows:
+            out.setdefault(i.run_id, []).append(i)
+        return out
+
+    def _spec(self, run: Run) -> RunSpec:
+        spec = self._specs.get(run.id)
+        if spec is None:
+            spec = self._specs[run.id] = RunSpec.model_validate(run.spec_json)
+        return spec
+
+    # ------------------------------------------------------------------ per run
+
+    def _submit_first(self, run: Run, attempt: Attempt | None, result: TickResult) -> None:
+        """Submit a pending run; an attempt recorded before a crash is finished, not doubled."""
+        if attempt is not None and attempt.job_id:
+            job_id: str | None = attempt.job_id
+            number = attempt.number
+        else:
+            failed = attempt is not None and attempt.state is AttemptState.FAILED
+            number = run.current_attempt + 1 if attempt is None or failed else attempt.number
+            job_id = self.actuator.submit_attempt(
+                run.id, number, resume_step=run.resume_step, reason="submit"
+            )
+        if job_id is None:
+            return
+        with self.db.write_session() as s:
+            store.transition_run(
+                s,
+                run.id,
+                RunState.SUBMITTED,
+                expected=[RunState.PENDING],
+                reason=f"job {job_id}",
+                attempt=number,
+            )
+        result.submitted.append(run.id)
+
+    def _checkpoints(self, run: Run, spec: RunSpec) -> list[CheckpointRef]:
+        """Complete checkpoints on disk (oldest first); new ones are recorded in the DB."""
+        from megatron_runs.checkpointing import list_checkpoints
+
+        infos = [c for c in list_checkpoints(checkpoint_dir(self.config.home, run.id, spec))]
+        known = self._known_ckpt.get(run.id, -1)
+        for c in infos:
+            if c.step > known:
+                with self.db.write_session() as s:
+                    store.record_checkpoint(
+                        s,
+                        run.id,
+                        step=c.step,
+                        consumed_samples=c.consumed_samples,
+                        loss=c.loss,
+                        path=str(c.path),
+                        saved_at=datetime.fromtimestamp(c.saved_at, UTC),
+                        complete=c.complete,
+                    )
+        if infos:
+            self._known_ckpt[run.id] = max(known, max(c.step for c in infos))
+        return [
+            CheckpointRef(step=c.step, saved_at=c.saved_at, consumed_samples=c.consumed_samples)
+            for c in sorted(infos, key=lambda c: c.step)
+            if c.complete
+        ]
+
+    def _reconcile(
+        self,
+        run: Run,
+        attempt: Attempt | None,
+        status: JobStatus | None,
+        view: MetricsView,
+        unfinished: Action | None,
+        incidents: list[Incident],
+        now: float,
+        result: TickResult,
+    ) -> None:
+        spec = self._spec(run)
+        # Unknown to SLURM might still be alive: cancel before resubmitting, to be sure.
+        active_job = status is None or status.state is SlurmState.UNKNOWN or status.state.active
+        if run.cancel_requested:
+            self.actuator.cancel_run(
+                run.id, run.current_attempt, attempt.job_id if attempt else None, active_job
+            )
+            return
+        if run.state is RunState.NEEDS_ATTENTION or attempt is None:
+            return
+        checkpoints = self._checkpoints(run, spec)
+        disk_step = checkpoints[-1].step if checkpoints else None
+        if unfinished is not None:
+            if not result.slurm_up:
+                return  # finishing a remedy needs SLURM's answer (cancel before resubmit)
+            self._resume(run, attempt, unfinished, status, disk_step, active_job)
+            return
+        slurm_up = result.slurm_up
+        job = job_view(
+            status,
+            slurm_up=slurm_up,
+            attempt=attempt,
+            now=now,
+            lost_after_s=self.config.lost_after_s,
+            log_cause=self._log_cause(run, attempt, status, view),
+        )
+        self._record_attempt(run, attempt, job)
+        snap = Snapshot(
+            run_id=run.id,
+            attempt=attempt.number,
+            now=now,
+            metrics=view,
+            job=job,
+            checkpoint_interval_steps=spec.checkpoint.interval_steps,
+            global_batch_size=spec.training.global_batch_size,
+            target_steps=run.target_steps,
+            disk_checkpoint_step=disk_step,
+        )
+        self._check_recovery(run, attempt, view, incidents, now)
+        if (
+            job.state is JobState.COMPLETED
+            and disk_step is not None
+            and (disk_step >= run.target_steps)
+        ):
+            self.actuator.complete_run(run.id, attempt.number, disk_step)
+            self._close_incidents(incidents, now)
+            self.metrics.forget_run(run.id)
+            return
+        self._export_run(run, checkpoints, now)
+        findings = detect_all(snap, spec.recovery)
+        if not findings:
+            return
+        result.findings[run.id] = findings
+        history = self._history(run, job, checkpoints)
+        remedy = decide(snap, findings, history, spec.recovery)
+        if remedy.kind is RemedyKind.NONE:
+            return
+        result.remedies[run.id] = remedy
+        step = view.latest.step if view.latest is not None else disk_step
+        incident_id = None
+        if remedy.kind is not RemedyKind.OBSERVE:
+            incident_id = self._incident(run, attempt, remedy, incidents, step, disk_step, now)
+        ctx = ActContext(
+            run_id=run.id,
+            attempt=attempt.number,
+            job_id=attempt.job_id,
+            job_active=active_job,
+            step=step,
+            attempt_nodes=job.nodes or tuple(attempt.nodes_json or ()),
+            incident_id=incident_id,
+            resume_from=disk_step,
+        )
+        log.info(
+            f"{remedy.kind.value}: {remedy.reason}",
+            extra={"run_id": run.id, "attempt": attempt.number, "job_id": attempt.job_id},
+        )
+        if self.actuator.apply(ctx, remedy):
+            self.metrics.remedies.labels(kind=remedy.kind.value).inc()
+
+    def _resume(
+        self,
+        run: Run,
+        attempt: Attempt,
+        action: Action,
+        status: JobStatus | None,
+        disk_step: int | None,
+        active_job: bool,
+    ) -> None:
+        if action.kind == ActionKind.SUBMIT.value:
+            number = action.attempt or attempt.number
+            resume = action.evidence_json.get("resume_step")
+            self.actuator.submit_attempt(run.id, number, resume_step=resume, reason="resume")
+            return
+        number = action.attempt or attempt.number
+        job_id = action.evidence_json.get("job_id")
+        ctx = ActContext(
+            run_id=run.id,
+            attempt=number,
+            job_id=job_id,
+            job_active=active_job and number == attempt.number,
+            attempt_nodes=tuple(action.evidence_json.get("attempt_nodes", ())),
+            incident_id=action.evidence_json.get("incident_id"),
+            resume_from=disk_step,
+        )
+        self.actuator.resume(action, ctx)
+
+    def _log_cause(
+        self, run: Run, attempt: Attempt, status: JobStatus | None, view: MetricsView
+    ) -> LogCause:
+        if status is None or status.state is not SlurmState.FAILED:
+            return (None, None, ())
+        key = (run.id, attempt.number)
+        if key not in self._log_causes:
+            log_dir = attempt_log_dir(self.config.home, run.id, attempt.number)
+            try:
+                files = self.cluster.log_files(status.job_id, log_dir=log_dir)  # type: ignore[call-arg]
+            except (TypeError, OSError):
+                files = []
+            text = "\n".join(tail(f) for f in files)
+            progress = any(s.step for s in view.samples)
+            self._log_causes[key] = log_cause(text, status.exit_code, progress)
+        return self._log_causes[key]
+
+    def _record_attempt(self, run: Run, attempt: Attempt, job: JobView) -> None:
+        """Mirror SLURM's view into the attempt row (and SUBMITTED → RUNNING) once."""
+        if job.health is not SourceHealth.UP or job.state is None:
+            return
+        new = _ATTEMPT_STATE.get(job.state)
+        if new is None or attempt.state is new or attempt.ended_at is not None:
+            return
+        fields: dict[str, Any] = {"state": new}
+        if job.nodes:
+            fields["nodes_json"] = list(job.nodes)
+        now = datetime.now(UTC)
+        if new is AttemptState.RUNNING:
+            fields["started_at"] = attempt.started_at or now
+        else:
+            fields.update(ended_at=now, exit_code=job.exit_code, end_reason=job.reason)
+        with self.db.write_session() as s:
+            store.update_attempt(s, run.id, attempt.number, **fields)
+            if new is AttemptState.RUNNING and run.state is RunState.SUBMITTED:
+                store.transition_run(
+                    s,
+                    run.id,
+                    RunState.RUNNING,
+                    expected=[RunState.SUBMITTED],
+                    reason=f"job {job.job_id} running",
+                    attempt=attempt.number,
+                )
+        for k, v in fields.items():
+            setattr(attempt, k, v)
+
+    def _incident(
+        self,
+        run: Run,
+        attempt: Attempt,
+        remedy: Remedy,
+        incidents: list[Incident],
+        step: int | None,
+        disk_step: int | None,
+        now: float,
+    ) -> int:
+        """The run's open incident (one fault may need several remedies), or a new one."""
+        finding = remedy.finding
+        assert finding is not None
+        state = (
+            IncidentState.ESCALATED
+            if remedy.kind is RemedyKind.ESCALATE
+            else IncidentState.REMEDYING
+        )
+        resume_from = remedy.to_step if remedy.kind is RemedyKind.ROLLBACK else disk_step
+        evidence = {
+            "finding": finding.summary,
+            "cause": finding.cause.value,
+            "suspect": remedy.suspect.value,
+            "last_healthy_step": finding.last_healthy_step,
+            "first_bad_step": finding.first_bad_step,
+            "sample_window": list(finding.sample_window) if finding.sample_window else None,
+            "nodes": list(finding.nodes),
+            "step": step,
+            "resume_from": resume_from,
+            "remedy_attempt": attempt.number,
+            **{k: v for k, v in finding.evidence.items() if _jsonable(v)},
+        }
+        fault_ts = finding.fault_time if finding.fault_time is not None else now
+        if incidents:
+            incident = incidents[-1]
+            with self.db.write_session() as s:
+                store.update_incident(
+                    s,
+                    incident.id,
+                    remedy=remedy.kind.value,
+                    state=state,
+                    evidence_json={**(incident.evidence_json or {}), **evidence},
+                )
+            return incident.id
+        with self.db.write_session() as s:
+            incident = store.open_incident(
+                s,
+                run.id,
+                attempt.number,
+                finding.kind.value,
+                evidence=evidence,
+                fault_ts=datetime.fromtimestamp(fault_ts, UTC),
+            )
+            store.update_incident(s, incident.id, remedy=remedy.kind.value, state=state)
+        incidents.append(incident)
+        self.metrics.incidents.labels(kind=finding.kind.value).inc()
+        latency = accounting.detection_latency(fault_ts, now)
+        if latency is not None:
+            self.metrics.detection_latency.observe(latency)
+        return incident.id
+
+    def _check_recovery(
+        self,
+        run: Run,
+        attempt: Attempt,
+        view: MetricsView,
+        incidents: list[Incident],
+        now: float,
+    ) -> None:
+        """A remedied incident is recovered once a later attempt trains past its resume step."""
+        if view.health is not SourceHealth.UP:
+            return
+        for incident in [i for i in incidents if i.state is IncidentState.REMEDYING]:
+            ev = incident.evidence_json or {}
+            if attempt.number <= int(ev.get("remedy_attempt") or incident.attempt or 0):
+                continue
+            resumed = ev.get("resume_from")
+            recovered_t = accounting.recovery_time(view.samples, resumed)
+            if recovered_t is None:
+                continue
+            lost = accounting.steps_lost(ev.get("step"), resumed)
+            with self.db.write_session() as s:
+                store.update_incident(
+                    s,
+                    incident.id,
+                    state=IncidentState.RECOVERED,
+                    recovered_ts=datetime.fromtimestamp(recovered_t, UTC),
+                    steps_lost=lost,
+                )
+            incidents.remove(incident)
+            if incident.fault_ts is not None:
+                self.metrics.mttr.observe(max(0.0, recovered_t - incident.fault_ts.timestamp()))
+            log.info(
+                f"recovered from {incident.kind}, {lost} steps lost",
+                extra={"run_id": run.id, "attempt": attempt.number},
+            )
+        if run.state is RunState.RECOVERING and not any(
+            i.state is IncidentState.REMEDYING for i in incidents
+        ):
+            with self.db.write_session() as s:
+                store.transition_run(
+                    s,
+                    run.id,
+                    RunState.RUNNING,
+                    expected=[RunState.RECOVERING],
+                    reason="training progresses again",
+                    attempt=attempt.number,
+                )
+
+    def _close_incidents(self, incidents: list[Incident], now: float) -> None:
+        for incident in incidents:
+            with self.db.write_session() as s:
+                store.update_incident(
+                    s,
+                    incident.id,
+                    state=IncidentState.RECOVERED,
+                    recovered_ts=incident.recovered_ts or datetime.fromtimestamp(now, UTC),
+                )
+
+    def _history(self, run: Run, job: JobView, checkpoints: list[CheckpointRef]) -> RunHistory:
+        with self.db.session() as s:
+            actions = s.scalars(
+                select(Action).where(Action.run_id == run.id).order_by(Action.id)
+            ).all()
+            strikes = {n.name: n.strikes for n in s.scalars(select(Node)).all()}
+        return history_from_rows(
+            actions,
+            excluded=run.excluded_nodes_json or (),
+            strikes=strikes,
+            checkpoints=checkpoints,
+            attempt_nodes=job.nodes,
+        )
+
+    def _export_run(self, run: Run, checkpoints: list[CheckpointRef], now: float) -> None:
+        if checkpoints:
+            self.metrics.run_checkpoint_age.labels(run_id=run.id).set(
+                max(0.0, now - checkpoints[-1].saved_at)
+            )
+
+
+def _jsonable(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool, list, dict))
+
+
+def endpoint_targets(db: Database) -> list[Target]:
+    """The registered worker endpoints of active attempts, for the ScrapeSource."""
+    with db.session() as s:
+        return [
+            Target(e.run_id, e.attempt, e.node, e.host, e.port) for e in store.active_endpoints(s)
+        ]
+
+
+def build_reconciler(
+    settings: Settings,
+    db: Database,
+    *,
+    registry: CollectorRegistry | None = None,
+    supervisor_metrics: SupervisorMetrics | None = None,
+    cluster: Cluster | None = None,
+) -> Reconciler:
+    """The supervisor's reconciler from its Settings: SLURM when a controller answers (else
+    submitit's local executor), Prometheus when configured (else direct scrapes)."""
+    stale = max(15.0, 3 * settings.tick_seconds)
+    source: MetricSource
+    if settings.prometheus_url:
+        source = PrometheusSource(settings.prometheus_url, stale_after_s=stale)
+    else:
+        source = ScrapeSource(lambda: endpoint_targets(db), stale_after_s=stale)
+    return Reconciler(
+        db,
+        cluster or make_cluster(),
+        source,
+        WatchdogConfig(
+            home=settings.home,
+            supervisor_url=settings.public_url,
+            tick_seconds=settings.tick_seconds,
+            lease_ttl_s=max(30.0, 5 * settings.tick_seconds),
+        ),
+        registry=registry,
+        supervisor_metrics=supervisor_metrics,
+        notifier=Notifier(settings.webhook_url),
+    )

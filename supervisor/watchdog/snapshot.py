@@ -1,0 +1,246 @@
+"""Plain data passed between the watchdog's stages: what was observed, found and decided.
+
+These are frozen dataclasses with no I/O so detectors and policy can be tested on recorded
+snapshots, and so a Snapshot from Prometheus and one from a direct scrape are the same thing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Steps covered by the worker's `*_window_max` / `*_window_min` gauges (docs/contracts.md).
+METRIC_WINDOW_STEPS = 16
+
+
+class SourceHealth(enum.StrEnum):
+    """How far an observation can be trusted. Only UP data may clear or convict a run."""
+
+    UP = "up"
+    DOWN = "down"  # the source failed (Prometheus / sacct unreachable, scrape error)
+    STALE = "stale"  # the source answered but its newest data is too old
+    MISSING = "missing"  # the source is up but has no series for this run yet
+
+
+class JobState(enum.StrEnum):
+    """SLURM's view of the attempt's job, in SLURM's own words."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    PREEMPTED = "preempted"
+    TIMEOUT = "timeout"
+    NODE_FAIL = "node_fail"
+    OUT_OF_MEMORY = "out_of_memory"
+    LOST = "lost"  # SLURM answered and does not know the job
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobState.PENDING, JobState.RUNNING)
+
+
+class Cause(enum.StrEnum):
+    """What a fault is blamed on; the policy escalates from one suspicion to the next."""
+
+    DATA = "data"
+    NODE = "node"
+    INFRA = "infra"  # preemption, walltime: nobody's fault
+    CODE = "code"  # config / program error: a person must look
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSample:
+    """One observation of a run's worker metrics at time `t` (None = not exported)."""
+
+    t: float
+    step: int | None = None
+    loss: float | None = None
+    loss_window_max: float | None = None
+    loss_window_min: float | None = None
+    loss_sum: float | None = None
+    steps_total: float | None = None
+    grad_norm: float | None = None
+    grad_norm_window_max: float | None = None
+    nonfinite_total: float | None = None
+    tokens_total: float | None = None
+    tokens_per_second: float | None = None
+    samples_consumed: int | None = None
+    last_step_ts: float | None = None
+    target_steps: int | None = None
+    checkpoint_step: int | None = None
+    checkpoint_ts: float | None = None
+    checkpoint_failures_total: float | None = None
+    replica_checks_total: float | None = None
+    replica_mismatches_total: float | None = None
+    up: float | None = None
+    step_time: Mapping[str, float] = field(default_factory=dict)  # node → window avg seconds
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsView:
+    """The trailing window of one attempt's samples, oldest first, with the source's health."""
+
+    health: SourceHealth
+    samples: tuple[MetricSample, ...] = ()
+    error: str | None = None
+
+    @property
+    def latest(self) -> MetricSample | None:
+        return self.samples[-1] if self.samples else None
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """SLURM's answer for the attempt's job (from one batched poll for all runs)."""
+
+    health: SourceHealth
+    state: JobState | None = None
+    job_id: str | None = None
+    nodes: tuple[str, ...] = ()
+    exit_code: int | None = None
+    reason: str | None = None  # classified log cause or SLURM reason, e.g. "NCCL error"
+    failed_nodes: tuple[str, ...] = ()
+    cause: Cause | None = None  # from the job's log, when it was classified
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything the detectors may look at for one run at one tick."""
+
+    run_id: str
+    attempt: int
+    now: float
+    metrics: MetricsView
+    job: JobView
+    checkpoint_interval_steps: int = 100
+    global_batch_size: int = 1
+    target_steps: int | None = None
+    disk_checkpoint_step: int | None = None  # newest complete checkpoint on disk
+
+
+class FindingKind(enum.StrEnum):
+    NONFINITE = "nonfinite"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_EXPLOSION = "grad_explosion"
+    THROUGHPUT_DROP = "throughput_drop"
+    STRAGGLER = "straggler"
+    HANG = "hang"
+    REPLICA_MISMATCH = "replica_mismatch"
+    CHECKPOINT_FAILURE = "checkpoint_failure"
+    CHECKPOINT_STALL = "checkpoint_stall"
+    JOB_NODE_FAIL = "job_node_fail"
+    JOB_PREEMPTED = "job_preempted"
+    JOB_TIMEOUT = "job_timeout"
+    JOB_FAILED = "job_failed"
+    JOB_OOM = "job_oom"
+    JOB_CANCELLED = "job_cancelled"
+    JOB_LOST = "job_lost"
+    JOB_ENDED_EARLY = "job_ended_early"  # exit 0 before target: walltime chaining
+
+
+#: Faults of the training numerics: the same remedy ladder (data → node → person) applies.
+NUMERIC_FAULTS = frozenset(
+    {FindingKind.NONFINITE, FindingKind.LOSS_SPIKE, FindingKind.GRAD_EXPLOSION}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A detector's conclusion with the evidence for it.
+
+    `last_healthy_step` / `first_bad_step` bound the onset; `sample_window` is the half-open
+    range of global sample indices consumed between them (what a data remedy skips).
+    `fault_time` is the time of the first bad observation (or of the job's end).
+    """
+
+    kind: FindingKind
+    summary: str
+    cause: Cause = Cause.UNKNOWN
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    fault_time: float | None = None
+    last_healthy_step: int | None = None
+    first_bad_step: int | None = None
+    sample_window: tuple[int, int] | None = None
+    nodes: tuple[str, ...] = ()
+
+
+class RemedyKind(enum.StrEnum):
+    """What the policy may ask for. Only NONE and OBSERVE leave the job alone."""
+
+    NONE = "none"
+    OBSERVE = "observe"  # record + notify only (non-destructive)
+    RESTART = "restart"  # resubmit from the newest checkpoint
+    ROLLBACK = "rollback"  # resubmit from a checkpoint before onset, skipping samples
+    EXCLUDE_NODE = "exclude_node"  # exclude node(s) and resubmit from the newest checkpoint
+    REQUEUE = "requeue"  # continue after preemption / walltime
+    ESCALATE = "escalate"  # NEEDS_ATTENTION + notify
+
+    @property
+    def resubmits(self) -> bool:
+        return self in (
+            RemedyKind.RESTART,
+            RemedyKind.ROLLBACK,
+            RemedyKind.EXCLUDE_NODE,
+            RemedyKind.REQUEUE,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Remedy:
+    """The one thing to do for a run this tick, and why."""
+
+    kind: RemedyKind
+    reason: str
+    finding: Finding | None = None
+    suspect: Cause = Cause.UNKNOWN
+    to_step: int | None = None  # checkpoint to resume from; None = newest, 0 = from scratch
+    skip_ranges: tuple[tuple[int, int], ...] = ()
+    exclude_nodes: tuple[str, ...] = ()
+
+    @property
+    def target(self) -> str:
+        """Part of the action's idempotency key: what the action is applied to."""
+        if self.kind is RemedyKind.EXCLUDE_NODE:
+            return ",".join(sorted(self.exclude_nodes))
+        if self.kind is RemedyKind.ROLLBACK:
+            return f"step={self.to_step}"
+        return self.finding.kind.value if self.finding else "-"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRef:
+    step: int
+    saved_at: float
+    consumed_samples: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PastRemedy:
+    """A remedy applied earlier to this run (from the actions/incidents tables)."""
+
+    kind: RemedyKind
+    attempt: int
+    at: float
+    finding_kind: FindingKind | None = None
+    step: int | None = None  # training step when the remedy was decided
+    skip_ranges: tuple[tuple[int, int], ...] = ()
+    excluded: tuple[str, ...] = ()
+    attempt_nodes: tuple[str, ...] = ()
+    incident_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunHistory:
+    """What the policy needs to know about the past: remedies, nodes, checkpoints."""
+
+    remedies: tuple[PastRemedy, ...] = ()
+    excluded_nodes: frozenset[str] = frozenset()
+    node_strikes: Mapping[str, int] = field(default_factory=dict)
+    checkpoints: tuple[CheckpointRef, ...] = ()
+    attempt_nodes: tuple[str, ...] = ()
+    open_incident_id: int | None = None

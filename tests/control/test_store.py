@@ -1,0 +1,137 @@
+"""The data-access module on SQLite and PostgreSQL: idempotency, compare-and-set state changes,
+replay-safe actions, leases, endpoints, and migrations that match the models."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from supervisor import store
+from supervisor.db import Database
+from supervisor.models import Base, EventKind, RunState
+from supervisor.spec import RunSpec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture
+def spec() -> RunSpec:
+    return RunSpec.from_file(EXAMPLES / "tiny-cpu.yaml")
+
+
+def test_migrations_create_exactly_the_models(database: Database) -> None:
+    with database.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    database.upgrade()  # idempotent
+
+
+def test_same_key_same_spec_is_one_run_other_spec_conflicts(
+    database: Database, spec: RunSpec
+) -> None:
+    with database.write_session() as s:
+        first, created = store.create_run(s, spec, idempotency_key="k")
+        again, created_again = store.create_run(s, spec, idempotency_key="k")
+        assert created and not created_again and again.id == first.id
+        other = spec.model_copy(update={"name": "other"})
+        with pytest.raises(store.IdempotencyConflict, match=first.id):
+            store.create_run(s, other, idempotency_key="k")
+        assert store.list_runs(s).total == 1
+
+
+def test_state_changes_are_compare_and_set_and_leave_events(
+    database: Database, spec: RunSpec
+) -> None:
+    with database.write_session() as s:
+        run, _ = store.create_run(s, spec)
+        assert store.transition_run(s, run.id, RunState.SUBMITTED, expected=[RunState.PENDING])
+        # a stale writer that still believes the run is pending loses
+        assert not store.transition_run(s, run.id, RunState.CANCELLED, expected=[RunState.PENDING])
+        # an illegal transition is refused whatever `expected` says
+        assert not store.transition_run(s, run.id, RunState.PENDING)
+        assert store.transition_run(s, run.id, RunState.RUNNING, reason="first step seen")
+        events = store.list_events(s, run.id)
+        assert [e.message for e in events] == [
+            "run created (pending)",
+            "pending → submitted",
+            "submitted → running: first step seen",
+        ]
+        assert events[-1].data_json == {"from": "submitted", "to": "running"}
+        assert store.get_run(s, run.id).state == RunState.RUNNING
+
+
+def test_cancel_is_immediate_only_before_the_first_attempt(
+    database: Database, spec: RunSpec
+) -> None:
+    with database.write_session() as s:
+        pending, _ = store.create_run(s, spec)
+        assert store.request_cancel(s, pending.id).state == RunState.CANCELLED
+        assert store.request_cancel(s, pending.id).state == RunState.CANCELLED  # idempotent
+
+        live, _ = store.create_run(s, spec)
+        store.create_attempt(s, live.id, executor="local", job_id="123")
+        store.transition_run(s, live.id, RunState.SUBMITTED)
+        run = store.request_cancel(s, live.id)
+        assert run.state == RunState.SUBMITTED and run.cancel_requested
+        store.transition_run(s, live.id, RunState.SUCCEEDED)
+        with pytest.raises(store.Conflict, match="already succeeded"):
+            store.request_cancel(s, live.id)
+
+
+def test_attempts_number_up_and_snapshot_skips_and_excludes(
+    database: Database, spec: RunSpec
+) -> None:
+    with database.write_session() as s:
+        run, _ = store.create_run(s, spec)
+        store.update_run(s, run.id, skip_ranges_json=[[64, 96]], excluded_nodes_json=["n2"])
+        store.create_attempt(s, run.id, executor="slurm", job_id="41")
+        second = store.create_attempt(s, run.id, executor="slurm", job_id="42", resume_step=40)
+        assert second.number == 2 and second.skip_ranges_json == [[64, 96]]
+        assert second.exclude_json == ["n2"]
+        assert store.get_run(s, run.id).current_attempt == 2
+        store.update_attempt(s, run.id, 2, nodes_json=["n1"], exit_code=0)
+        assert [a.job_id for a in store.get_attempts(s, run.id)] == ["41", "42"]
+        with pytest.raises(store.NotFound):
+            store.update_attempt(s, run.id, 3, exit_code=1)
+
+
+def test_an_action_runs_once_even_when_replayed(database: Database, spec: RunSpec) -> None:
+    with database.write_session() as s:
+        run, _ = store.create_run(s, spec)
+        evidence = {"loss": 9.5, "median": 3.1}
+        action = store.begin_action(s, run.id, 1, "rollback", "step-40", evidence)
+        assert action is not None
+        assert store.begin_action(s, run.id, 1, "rollback", "step-40", evidence) is None
+        store.finish_action(s, action.key, ok=True, result={"job_id": "43"})
+        incident = store.open_incident(s, run.id, 1, "loss_spike", evidence=evidence)
+        store.update_incident(s, incident.id, remedy="rollback", steps_lost=12)
+        kinds = [e.kind for e in store.list_events(s, run.id)]
+        assert kinds.count(EventKind.ACTION_INTENT) == 1
+        assert EventKind.ACTION_OUTCOME in kinds and EventKind.INCIDENT in kinds
+
+
+def test_lease_has_one_holder_until_it_expires(database: Database) -> None:
+    with database.write_session() as s:
+        assert store.acquire_lease(s, "reconciler", "a", timedelta(seconds=30))
+        assert not store.acquire_lease(s, "reconciler", "b", timedelta(seconds=30))
+        assert store.acquire_lease(s, "reconciler", "a", timedelta(seconds=-1))  # renew, expired
+        assert store.acquire_lease(s, "reconciler", "b", timedelta(seconds=30))
+
+
+def test_endpoints_of_the_current_attempt_of_active_runs_are_targets(
+    database: Database, spec: RunSpec
+) -> None:
+    with database.write_session() as s:
+        run, _ = store.create_run(s, spec)
+        store.create_attempt(s, run.id, executor="local")
+        store.register_endpoint(s, run.id, 1, "n1", "127.0.0.1", 9001)
+        assert store.active_endpoints(s) == []  # still pending: not scraped
+        store.transition_run(s, run.id, RunState.SUBMITTED)
+        store.register_endpoint(s, run.id, 1, "n1", "127.0.0.1", 9002)  # heartbeat, new port
+        (endpoint,) = store.active_endpoints(s)
+        assert (endpoint.node, endpoint.port) == ("n1", 9002)
+        store.create_attempt(s, run.id, executor="local")
+        assert store.active_endpoints(s) == []  # old attempt's endpoint is dropped

@@ -1,0 +1,105 @@
+"""Node failure, preemption and requeue on the real local SLURM cluster."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from supervisor import launcher
+from supervisor.slurm import JobState, wait_for
+
+from .cluster_helpers import job_logs, latest, scrape_step, wait_until
+from .conftest import devcluster
+from .endpoints import EndpointRegistry
+
+pytestmark = pytest.mark.integration
+
+NODES = {"n1", "n2", "n3"}
+
+
+def start_steps(logs: str) -> set[int]:
+    return {int(m) for m in re.findall(r"starts at step (\d+)", logs)}
+
+
+def test_node_failure_reports_node_and_resubmission_lands_on_spare(
+    slurm, cluster_dir, tmp_path, toy_spec, toy_plan
+):
+    spec = toy_spec("nodefail", steps=30, interval=3)
+    plan = toy_plan(tmp_path, spec)
+    ckpt = plan.checkpoint_dir
+    sub = launcher.submit(slurm, plan)
+    running = wait_for(
+        slurm, sub.job_id, lambda s: s.state is JobState.RUNNING and len(s.nodes) == 2, 60
+    )
+    wait_until("a first checkpoint", lambda: latest(ckpt) >= 3, 60)
+    victim = running.nodes[1]
+    spare = (NODES - set(running.nodes)).pop()
+    assert devcluster("kill-node", victim, cluster_dir=cluster_dir).returncode == 0
+    try:
+        failed = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=60)
+        assert failed.state is JobState.NODE_FAIL, failed
+        assert failed.failed_nodes == (victim,)
+        assert launcher.attempt_state(failed) == "node_fail"
+        assert launcher.continuation(failed, latest(ckpt), 30).next is launcher.Next.NOT_MINE
+        resume_from = latest(ckpt)
+        assert resume_from >= 3
+        retry = replace(plan, attempt=2, exclude=(victim,))
+        assert victim in launcher.job_request(retry).exclude
+        sub2 = launcher.submit(slurm, retry)
+        done = wait_for(slurm, sub2.job_id, lambda s: s.state.terminal, timeout_s=90)
+        logs = job_logs(slurm, sub2.job_id, plan.log_dir)
+        assert done.state is JobState.COMPLETED, logs
+        assert victim not in done.nodes and spare in done.nodes
+        assert start_steps(logs) == {resume_from}
+        assert latest(ckpt) == 30
+    finally:
+        revived = devcluster("revive-node", victim, cluster_dir=cluster_dir)
+        assert revived.returncode == 0, revived.stderr
+
+
+def test_preemption_signal_checkpoints_next_step_and_resumes(slurm, tmp_path, toy_spec, toy_plan):
+    spec = toy_spec("preempt", steps=30, interval=1000)
+    with EndpointRegistry(worker_token="w-token", read_token="r-token") as sup:
+        plan = toy_plan(tmp_path, spec, supervisor_url=sup.url, worker_token="w-token")
+        sub = launcher.submit(slurm, plan)
+        wait_until("both nodes registered", lambda: len(sup.for_run("preempt", 1)) == 2, 60)
+        endpoints = sup.for_run("preempt", 1)
+        assert set(endpoints) <= NODES
+        host, port = next(iter(endpoints.values())).values()
+
+        wait_until("step 5", lambda: (scrape_step(host, port) or 0) >= 5, 60)
+        step_at_signal = int(scrape_step(host, port) or 0)
+        slurm.signal(sub.job_id, "USR2")
+        stopped = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=60)
+    assert stopped.state is JobState.FAILED and stopped.exit_code == 75, stopped
+    assert launcher.attempt_state(stopped) == "preempted"
+    saved = latest(plan.checkpoint_dir)
+    # checkpoint at the next step boundary: at most a step or two after the one we scraped
+    assert step_at_signal <= saved <= step_at_signal + 3
+    nxt = launcher.continuation(stopped, saved, spec.training.train_steps)
+    assert nxt.next is launcher.Next.CONTINUE
+    sub2 = launcher.submit(slurm, replace(plan, attempt=2, resume_step=nxt.resume_step))
+    done = wait_for(slurm, sub2.job_id, lambda s: s.state.terminal, timeout_s=90)
+    logs = job_logs(slurm, sub2.job_id, plan.log_dir)
+    assert done.state is JobState.COMPLETED, logs
+    # steps lost = steps since the signal that were not in the checkpoint: none
+    assert start_steps(logs) == {saved}
+    assert latest(plan.checkpoint_dir) == 30
+
+
+def test_scontrol_requeue_restarts_the_same_job_from_its_checkpoint(
+    slurm, tmp_path, toy_spec, toy_plan
+):
+    spec = toy_spec("requeue", steps=20, interval=2)
+    plan = toy_plan(tmp_path, spec, requeue=True)
+    sub = launcher.submit(slurm, plan)
+    wait_until("a checkpoint", lambda: latest(plan.checkpoint_dir) >= 4, 60)
+    slurm.requeue(sub.job_id)
+    done = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=120)
+    logs = job_logs(slurm, sub.job_id, plan.log_dir)
+    assert done.state is JobState.COMPLETED, logs
+    starts = start_steps(logs)
+    assert 0 in starts and len(starts) == 2 and max(starts) >= 4, starts
+    assert latest(plan.checkpoint_dir) == 20

@@ -1,0 +1,110 @@
+"""Pure launcher decisions: request from a plan, attempt states, walltime continuation."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from supervisor import launcher
+from supervisor.launcher import Next, SubmitPlan
+from supervisor.models import AttemptState
+from supervisor.slurm import JobState, JobStatus
+from supervisor.spec import RunSpec
+
+
+@pytest.fixture
+def plan(toy_spec) -> SubmitPlan:
+    spec = toy_spec("plan", steps=100)
+    spec = spec.model_copy(
+        update={"resources": spec.resources.model_copy(update={"exclude": ["n9"]})}
+    )
+    return SubmitPlan(
+        run_id="r1",
+        attempt=3,
+        spec=spec,
+        checkpoint_dir=Path("/ck"),
+        log_dir=Path("/logs"),
+        resume_step=40,
+        skip_ranges=((100, 200),),
+        exclude=("n2",),
+        supervisor_url="http://127.0.0.1:8787",
+        worker_token="tok",
+    )
+
+
+def test_job_request_from_plan(plan):
+    req = launcher.job_request(plan)
+    env = dict(launcher.training_task(plan).env)
+    assert (req.nodes, req.tasks_per_node, req.gpus_per_node) == (2, 2, None)
+    assert req.exclude == ("n2", "n9")  # the spec's and the plan's, merged
+    assert req.job_name == "nw-r1-a3" and req.requeue is False
+    assert env["NIGHTWATCH_URL"] == "http://127.0.0.1:8787"
+    assert env["NIGHTWATCH_WORKER_TOKEN"] == "tok"
+    assert (env["NIGHTWATCH_RUN_ID"], env["NIGHTWATCH_ATTEMPT"]) == ("r1", "3")
+    assert launcher.job_request(replace(plan, gpus=True)).gpus_per_node == 2
+    bare = dict(launcher.job_env(replace(plan, supervisor_url=None, worker_token=None)))
+    assert "NIGHTWATCH_URL" not in bare and "NIGHTWATCH_WORKER_TOKEN" not in bare
+
+
+def test_training_task_carries_the_attempt_and_pickles(plan):
+    task = launcher.training_task(plan)
+    clone = pickle.loads(pickle.dumps(task))
+    assert clone == task
+    assert (clone.resume_step, clone.skip_ranges, clone.attempt) == (40, ((100, 200),), 3)
+    assert RunSpec.model_validate_json(clone.spec_json) == plan.spec
+    assert not hasattr(task, "checkpoint")  # submitit must not requeue on its own
+
+
+def status(state: JobState, code: int | None = 0) -> JobStatus:
+    return JobStatus(job_id="7", state=state, exit_code=code)
+
+
+@pytest.mark.parametrize(
+    ("st", "expected"),
+    [
+        (status(JobState.PENDING), "submitted"),
+        (status(JobState.RUNNING), "running"),
+        (status(JobState.COMPLETED), "completed"),
+        (status(JobState.FAILED, 1), "failed"),
+        (status(JobState.FAILED, 75), "preempted"),
+        (status(JobState.FAILED, 76), "failed"),
+        (status(JobState.NODE_FAIL), "node_fail"),
+        (status(JobState.TIMEOUT), "timeout"),
+        (status(JobState.OUT_OF_MEMORY), "out_of_memory"),
+        (status(JobState.UNKNOWN), None),
+    ],
+)
+def test_attempt_state(st, expected):
+    assert launcher.attempt_state(st) == expected
+
+
+def test_every_slurm_state_maps_to_a_model_attempt_state():
+    for state in JobState:
+        mapped = launcher.attempt_state(status(state))
+        assert mapped is None if state is JobState.UNKNOWN else AttemptState(mapped)
+
+
+@pytest.mark.parametrize(
+    ("st", "ckpt", "expected"),
+    [
+        (status(JobState.RUNNING), 10, Next.WAIT),
+        (status(JobState.UNKNOWN), 10, Next.WAIT),
+        (status(JobState.TIMEOUT), 40, Next.CONTINUE),
+        (status(JobState.FAILED, 75), 40, Next.CONTINUE),
+        (status(JobState.PREEMPTED), None, Next.CONTINUE),
+        (status(JobState.COMPLETED), 50, Next.CONTINUE),  # stop_at_step short of the target
+        (status(JobState.COMPLETED), 100, Next.DONE),
+        (status(JobState.TIMEOUT), 100, Next.DONE),  # the final checkpoint landed in time
+        (status(JobState.FAILED, 76), 40, Next.NOT_MINE),
+        (status(JobState.NODE_FAIL), 40, Next.NOT_MINE),
+        (status(JobState.CANCELLED), 40, Next.NOT_MINE),
+    ],
+)
+def test_continuation(st, ckpt, expected):
+    result = launcher.continuation(st, ckpt, train_steps=100)
+    assert result.next is expected
+    if expected is Next.CONTINUE:
+        assert result.resume_step == ckpt

@@ -1,0 +1,38 @@
+"""The embedded default without SLURM: submitit's LocalExecutor behind the same interface."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor import launcher
+from supervisor.slurm import JobState, LocalCluster, Unsupported, make_cluster, wait_for
+
+from .cluster_helpers import job_logs, latest, wait_until
+
+
+def test_no_controller_means_local(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
+    assert isinstance(make_cluster(), LocalCluster)
+
+
+def test_local_run_trains_and_stops_on_signal(tmp_path, toy_spec, toy_plan):
+    cluster = LocalCluster()
+    spec = toy_spec("local", steps=200, nodes=1, per_node=2, interval=1000)
+    plan = toy_plan(tmp_path, spec)
+    with pytest.raises(Unsupported):
+        launcher.submit(cluster, toy_plan(tmp_path, toy_spec("two", steps=2)))
+    sub = launcher.submit(cluster, plan)
+    wait_until(
+        "the ranks to start",
+        lambda: "starts at step 0" in job_logs(cluster, sub.job_id, plan.log_dir),
+        60,
+    )
+    assert cluster.poll([sub.job_id])[sub.job_id].state is JobState.RUNNING
+    cluster.signal(sub.job_id)
+    done = wait_for(cluster, sub.job_id, lambda s: s.state.terminal, timeout_s=60)
+    logs = job_logs(cluster, sub.job_id, plan.log_dir)
+    assert "toy: stop signal, checkpointed step" in logs, logs
+    assert 0 < latest(plan.checkpoint_dir) < 200
+    assert "rank 1/2" in logs
+    assert done.state is JobState.FAILED and done.exit_code == 75, done
+    assert launcher.attempt_state(done) == "preempted"

@@ -1,0 +1,148 @@
+"""Pure SLURM parsing and sbatch parameters, on captured command output (no SLURM needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.slurm import (
+    JobRequest,
+    JobState,
+    NodeInfo,
+    SourceUnavailable,
+    expand_hostlist,
+    parse_sacct,
+    parse_sinfo,
+    parse_squeue,
+    parse_state,
+    sbatch_parameters,
+    task_exit_code,
+    with_failed_nodes,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "hosts"),
+    [
+        ("n1", ["n1"]),
+        ("n[1-3]", ["n1", "n2", "n3"]),
+        ("n[1,3]", ["n1", "n3"]),
+        ("gpu[007-009,012],login1", ["gpu007", "gpu008", "gpu009", "gpu012", "login1"]),
+        ("rack[1-2]-a", ["rack1-a", "rack2-a"]),
+        ("None assigned", []),
+        ("", []),
+    ],
+)
+def test_expand_hostlist(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize(
+    ("raw", "state"),
+    [
+        ("CANCELLED by 0", JobState.CANCELLED),
+        ("NODE_FAIL", JobState.NODE_FAIL),
+        ("COMPLETING", JobState.RUNNING),
+        ("OUT_OF_MEMORY", JobState.OUT_OF_MEMORY),
+        ("REQUEUE_HOLD", JobState.REQUEUED),
+        ("RUNNING+", JobState.RUNNING),
+        ("SOMETHING_NEW", JobState.UNKNOWN),
+    ],
+)
+def test_parse_state(raw, state):
+    assert parse_state(raw) is state
+
+
+def test_terminal_and_active_states():
+    assert not JobState.UNKNOWN.terminal and not JobState.UNKNOWN.active
+    assert JobState.PENDING.active and JobState.REQUEUED.active
+    assert all(s.terminal for s in (JobState.NODE_FAIL, JobState.TIMEOUT, JobState.COMPLETED))
+
+
+# Captured from the local cluster: sacct -X -P -n -o JobIDRaw,State,ExitCode,NodeList,Reason
+SACCT = """\
+41|NODE_FAIL|0:0|n[1-2]|None
+42|FAILED|75:0|n[1,3]|NonZeroExitCode
+43|CANCELLED by 0|0:15|n3|None
+44|PENDING|0:0|None assigned|Resources
+44|RUNNING|0:0|n2|None
+"""
+
+
+def test_parse_sacct():
+    jobs = parse_sacct(SACCT)
+    assert jobs["41"].state is JobState.NODE_FAIL and jobs["41"].nodes == ("n1", "n2")
+    assert (jobs["42"].state, jobs["42"].exit_code) == (JobState.FAILED, 75)
+    assert jobs["43"].exit_signal == 15
+    # a requeued job shows one line per start: the last one is current
+    assert jobs["44"].state is JobState.RUNNING and jobs["44"].nodes == ("n2",)
+
+
+def test_parse_sacct_rejects_garbage():
+    with pytest.raises(SourceUnavailable):
+        parse_sacct("sacct: error: Problem talking to the database\n")
+
+
+# Captured: squeue -h -t all -j ... -O JobID:|,State:|,NodeList:|,Reason:|,exit_code:|
+SQUEUE = """\
+61|CANCELLED||JobHeldUser|0|
+5|COMPLETED|n[1,3]|None|0|
+64|FAILED|n1|NonZeroExitCode|768|
+1|TIMEOUT|n1|TimeLimit|15|
+70|PENDING||Resources|0|
+"""
+
+
+def test_parse_squeue_decodes_wait_status():
+    jobs = parse_squeue(SQUEUE)
+    assert (jobs["64"].state, jobs["64"].exit_code, jobs["64"].exit_signal) == (
+        JobState.FAILED,
+        3,
+        0,
+    )
+    assert (jobs["1"].state, jobs["1"].exit_signal) == (JobState.TIMEOUT, 15)
+    assert jobs["5"].nodes == ("n1", "n3")
+    assert jobs["70"].state is JobState.PENDING and jobs["70"].reason == "Resources"
+    assert jobs["61"].nodes == ()
+
+
+def test_failed_nodes_are_the_jobs_nodes_now_down():
+    jobs = parse_sacct(SACCT)
+    nodes = parse_sinfo("n1|idle|\nn2|down*|Not responding\nn3|alloc|\n")
+    assert nodes["n2"].down and not nodes["n1"].down and nodes["n1"].idle
+    marked = with_failed_nodes(jobs, nodes)
+    assert marked["41"].failed_nodes == ("n2",)
+    assert marked["42"].failed_nodes == ()  # not a NODE_FAIL: no blame
+    assert NodeInfo("n9", "drain").down is False
+
+
+def test_sbatch_parameters():
+    request = JobRequest(
+        job_name="nw-r-a2",
+        log_dir=Path("/tmp/x"),
+        nodes=2,
+        tasks_per_node=4,
+        cpus_per_task=8,
+        gpus_per_node=4,
+        time_limit_minutes=90,
+        partition="gpu",
+        account="proj",
+        exclude=("n2", "n5"),
+    )
+    params = sbatch_parameters(request)
+    assert params["nodes"] == 2 and params["ntasks_per_node"] == 4 and params["gpus_per_node"] == 4
+    assert params["exclude"] == "n2,n5" and params["partition"] == "gpu"
+    assert params["time"] == 90 and params["signal_delay_s"] == 90
+    assert params["additional_parameters"] == {"no-requeue": True}
+    assert "qos" not in params
+    cpu = sbatch_parameters(JobRequest("j", Path("/tmp"), 1, 2, requeue=True))
+    assert "gpus_per_node" not in cpu and cpu["additional_parameters"] == {"requeue": True}
+
+
+@pytest.mark.parametrize(
+    ("codes", "tasks", "expected"),
+    [([0, 0], 2, 0), ([75, 75], 2, 75), ([75, 1], 2, 1), ([0, 76], 2, 76), ([75], 2, None)],
+)
+def test_task_exit_code(codes, tasks, expected):
+    assert task_exit_code(codes, tasks) == expected

@@ -1,0 +1,122 @@
+"""A small trainer that keeps the training contract (docs/contracts.md), for launcher tests.
+
+Why not Megatron here: the launcher tests exercise SLURM, the worker's rank setup, signals,
+checkpoint/resume chaining and metrics discovery; a real torch.distributed (gloo) job that
+all-reduces every step, checkpoints in the contract's on-disk format, exits 75 on USR2/TERM and
+serves `nightwatch_train_step` shows all of that in seconds on two shared CPU cores. The real
+Megatron trainer keeps the same contract and is tested by its own suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+STEP_SECONDS = float(os.environ.get("TOY_STEP_SECONDS", "0.3"))
+
+
+@dataclass
+class TrainContext:
+    run_id: str
+    attempt: int
+    node: str
+    checkpoint_dir: Path
+    resume_step: int | None = None
+    skip_ranges: list[tuple[int, int]] = field(default_factory=list)
+    metrics_port: int | None = None
+    on_metrics_ready: Callable[[str, int], None] | None = None
+    stop_at_step: int | None = None
+
+
+@dataclass
+class TrainResult:
+    exit_code: int
+    step: int
+    start_step: int
+    world_size: int
+
+
+def latest_step(ckpt: Path) -> int:
+    marker = ckpt / "latest"
+    return int(marker.read_text()) if marker.exists() else 0
+
+
+def save(ckpt: Path, step: int, value: float, world: int) -> None:
+    """Contract layout: write `.tmp_iter_N/`, rename to `iter_N/`, then the `latest` marker."""
+    tmp = ckpt / f".tmp_iter_{step:07d}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "state.json").write_text(json.dumps({"value": value}))
+    size = (tmp / "state.json").stat().st_size
+    meta = {
+        "step": step,
+        "consumed_samples": step,
+        "loss": value,
+        "saved_at": time.time(),
+        "layout": {"tensor": 1, "pipeline": 1, "data": world},
+        "complete": True,
+        "files": {"state.json": size},
+    }
+    (tmp / "nightwatch.json").write_text(json.dumps(meta))
+    os.replace(tmp, ckpt / f"iter_{step:07d}")
+    (ckpt / "latest.tmp").write_text(str(step))
+    os.replace(ckpt / "latest.tmp", ckpt / "latest")
+
+
+def train(spec, ctx: TrainContext) -> TrainResult:
+    stop = {"flag": 0.0}
+
+    def on_signal(signum, frame) -> None:
+        stop["flag"] = 1.0
+
+    signal.signal(signal.SIGUSR2, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    ckpt = Path(ctx.checkpoint_dir)
+    start = ctx.resume_step if ctx.resume_step is not None else latest_step(ckpt)
+    value = (
+        json.loads((ckpt / f"iter_{start:07d}" / "state.json").read_text())["value"]
+        if start
+        else 0.0
+    )
+    registry = CollectorRegistry()
+    labels = {"run_id": ctx.run_id, "attempt": str(ctx.attempt), "node": ctx.node}
+    step_gauge = Gauge("nightwatch_train_step", "last step", list(labels), registry=registry)
+    step_gauge.labels(**labels).set(start)
+    if local_rank == 0 and ctx.metrics_port is not None:
+        server, _ = start_http_server(ctx.metrics_port, addr="127.0.0.1", registry=registry)
+        if ctx.on_metrics_ready:
+            ctx.on_metrics_ready("127.0.0.1", server.server_port)
+    target = min(spec.training.train_steps, ctx.stop_at_step or spec.training.train_steps)
+    interval = spec.checkpoint.interval_steps
+    step, code = start, 0
+    print(f"toy: rank {rank}/{world} on {ctx.node} starts at step {start}", flush=True)
+    while step < target:
+        time.sleep(STEP_SECONDS)
+        t = torch.tensor([1.0, stop["flag"]])
+        dist.all_reduce(t)
+        if t[0].item() != world:
+            raise RuntimeError(f"all_reduce gave {t[0].item()}, expected {world}")
+        step += 1
+        value += t[0].item()
+        step_gauge.labels(**labels).set(step)
+        stopping = t[1].item() > 0
+        if rank == 0 and (step % interval == 0 or step == target or stopping):
+            save(ckpt, step, value, world)
+        dist.barrier()
+        if stopping:
+            print(f"toy: stop signal, checkpointed step {step}", flush=True)
+            code = 75
+            break
+    dist.destroy_process_group()
+    return TrainResult(exit_code=code, step=step, start_step=start, world_size=world)

@@ -1,0 +1,151 @@
+"""The overnight report's arithmetic and rendering, on recorded rows (pure, no I/O)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from report_scenario import RESTART_GAP_S, STEP_S, T0, at, scenario
+
+from supervisor.report import (
+    LossPoint,
+    Report,
+    build_report,
+    format_duration,
+    loss_from_checkpoints,
+    loss_from_matrix,
+    render_text,
+    skip_windows,
+)
+
+
+def test_numbers_of_a_rolled_back_run() -> None:
+    r = build_report(scenario())
+    a1_end = 43 * STEP_S + 5
+    wall = a1_end + RESTART_GAP_S + 30 * STEP_S + 3
+    assert r.state == "succeeded" and r.attempts == 2
+    assert r.wall_s == pytest.approx(wall)
+    assert r.downtime_s == pytest.approx(RESTART_GAP_S)
+    assert r.steps_lost == 13
+    assert r.mean_step_s == pytest.approx(STEP_S)
+    assert r.ettr == pytest.approx((wall - RESTART_GAP_S - 13 * STEP_S) / wall)
+    assert r.nodes_excluded == ["n2"]
+    (incident,) = r.incidents
+    assert incident.onset_step == 41
+    assert incident.detection_latency_s == pytest.approx(3 * STEP_S + 1)
+    assert incident.mttr_s == pytest.approx(at(a1_end + RESTART_GAP_S + 8).timestamp()
+                                            - at(40 * STEP_S).timestamp())  # fmt: skip
+
+
+def test_steps_lost_fall_back_to_the_replayed_stretch() -> None:
+    r = build_report(scenario(steps_lost_recorded=False))
+    assert r.steps_lost == 43 - 30
+
+
+def test_windows_mark_the_replay_and_the_skipped_samples() -> None:
+    windows = {w.kind: w for w in build_report(scenario()).windows}
+    assert (windows["rollback"].start_step, windows["rollback"].end_step) == (30, 43)
+    # samples [320, 352) with 8 per step are what steps 41..44 consume in a clean run
+    assert (windows["skipped"].start_step, windows["skipped"].end_step) == (41, 44)
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "gbs", "steps"), [(0, 8, 8, (1, 1)), (4, 20, 8, (1, 3)), (16, 17, 8, (3, 3))]
+)
+def test_skip_windows_cover_every_step_touching_the_range(
+    lo: int, hi: int, gbs: int, steps: tuple[int, int]
+) -> None:
+    (w,) = skip_windows([[lo, hi]], gbs)
+    assert (w.start_step, w.end_step) == steps
+
+
+def test_an_active_run_counts_downtime_up_to_now() -> None:
+    data = scenario(finished=False)
+    attempts = [dict(data.attempts[0]), {**data.attempts[1], "started_at": None}]
+    r = build_report(type(data)(**{**data.__dict__, "attempts": attempts}))
+    a1_end = at(43 * STEP_S + 5).timestamp()
+    assert r.ended_t is None
+    assert r.downtime_s == pytest.approx(data.now - a1_end)
+    assert r.wall_s == pytest.approx(data.now - T0.timestamp())
+
+
+def test_timeline_is_ordered_and_tells_the_story() -> None:
+    r = build_report(scenario())
+    assert [e.t for e in r.timeline] == sorted(e.t for e in r.timeline)
+    whats = [e.what for e in r.timeline]
+    assert whats == [
+        "attempt", "fault", "detected", "action", "attempt", "attempt", "recovered", "attempt",
+        "state",
+    ]  # fmt: skip
+    text = render_text(r)
+    for expected in (
+        "Run r-0ca11ed0beef (tiny-cpu): SUCCEEDED — reached train_steps, step 60/60",
+        "loss_spike detected at step 41, 7s after onset",
+        "rollback step 30 skip [320, 352) [done]",
+        "attempt 2 started (job 102; nodes n1,n3; resume step 30; skip [320, 352))",
+        "attempt 1 ended: cancelled (rollback)",
+        "steps lost 13",
+        "nodes excluded: n2",
+        "skipped samples: [320, 352)",
+        "run succeeded (reached train_steps)",
+    ):
+        assert expected in text, f"{expected!r} missing from:\n{text}"
+    assert len(text.splitlines()) < 40  # one screen
+
+
+def test_json_round_trips_and_is_strict_json() -> None:
+    r = build_report(scenario())
+    body = json.loads(r.to_json())
+    assert body["steps_lost"] == 13 and body["incidents"][0]["kind"] == "loss_spike"
+    assert Report.from_dict(body) == r
+
+
+def test_an_empty_run_renders() -> None:
+    data = scenario()
+    run = {**data.run, "state": "pending", "last_step": None, "state_reason": None}
+    r = build_report(type(data)(run=run, now=data.now))
+    assert r.ettr is None and r.wall_s == 0 and r.timeline == []
+    assert "never started" in render_text(r)
+
+
+def test_loss_from_prometheus_matrices_pairs_by_attempt_and_time() -> None:
+    steps = [
+        {"metric": {"attempt": "1"}, "values": [[100, "5"], [101, "5"], [102, "6"], [103, "7"]]},
+        {"metric": {"attempt": "2"}, "values": [[200, "3"]]},
+    ]
+    losses = [
+        {"metric": {"attempt": "1"}, "values": [[100, "2.5"], [101, "2.5"], [102, "NaN"],
+                                                 [103, "2.1"]]},
+        {"metric": {"attempt": "2"}, "values": [[200, "2.9"], [201, "2.8"]]},
+    ]  # fmt: skip
+    points = loss_from_matrix(steps, losses)
+    assert [(p.attempt, p.step, p.loss) for p in points] == [(1, 5, 2.5), (1, 7, 2.1), (2, 3, 2.9)]
+
+
+def test_checkpoint_losses_skip_incomplete_and_nonfinite() -> None:
+    rows = [
+        {"step": 10, "loss": 3.0, "saved_at": at(10), "complete": True},
+        {"step": 20, "loss": 2.0, "saved_at": at(20), "complete": False},
+        {"step": 30, "loss": math.inf, "saved_at": at(30), "complete": True},
+        {"step": 40, "loss": None, "saved_at": at(40), "complete": True},
+    ]
+    assert loss_from_checkpoints(rows) == [
+        LossPoint(10, 3.0, None, at(10).timestamp(), "checkpoint")
+    ]
+
+
+def test_checkpoint_points_are_attributed_to_the_attempt_running_then() -> None:
+    data = scenario(steps_lost_recorded=False)
+    ckpt_only = type(data)(**{**data.__dict__, "loss": loss_from_checkpoints(data.checkpoints)})
+    r = build_report(ckpt_only)
+    assert {p.attempt for p in r.loss} == {1}
+    # the replay is bounded by the newest checkpoint attempt 1 reached (40), not its last step
+    assert r.steps_lost == 40 - 30
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(None, "-"), (7, "7s"), (65, "1m 05s"), (3725, "1h 02m")]
+)
+def test_format_duration(seconds: float | None, text: str) -> None:
+    assert format_duration(seconds) == text

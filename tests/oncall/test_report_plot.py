@@ -1,0 +1,46 @@
+"""The PNG: written, a real image, and the marked windows actually drawn."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from matplotlib.image import imread
+from report_scenario import scenario
+
+from supervisor.report import build_report, loss_from_checkpoints
+from supervisor.report_plot import render_png
+
+
+def _pixels(path: Path) -> np.ndarray:
+    return imread(path)[..., :3]
+
+
+def test_png_shows_curves_and_marked_windows(tmp_path: Path) -> None:
+    out = render_png(build_report(scenario()), tmp_path / "report.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stat().st_size > 20_000
+    px = _pixels(out)
+    assert px.shape[:2] == (550, 1100)
+    colours = {tuple(c) for c in (px.reshape(-1, 3) * 20).round().astype(int)}
+    assert len(colours) > 50  # lines, shading, text: not a blank canvas
+    # the skipped-window hatch is red-tinted and the rollback shading orange-tinted
+    reddish = (px[..., 0] > 0.85) & (px[..., 1] < 0.8) & (px[..., 2] < 0.8)
+    assert reddish.sum() > 2_000
+
+
+def test_without_windows_the_shading_is_gone(tmp_path: Path) -> None:
+    report = build_report(scenario())
+    plain = replace(report, windows=[], incidents=[])
+    marked = _pixels(render_png(report, tmp_path / "marked.png"))
+    bare = _pixels(render_png(plain, tmp_path / "bare.png"))
+    reddish = lambda px: ((px[..., 0] > 0.85) & (px[..., 1] < 0.8) & (px[..., 2] < 0.8)).sum()  # noqa: E731
+    assert reddish(marked) > 5 * max(1, reddish(bare))
+
+
+def test_checkpoint_only_history_still_plots(tmp_path: Path) -> None:
+    data = scenario()
+    sparse = replace(data, loss=loss_from_checkpoints(data.checkpoints))
+    out = render_png(build_report(sparse), tmp_path / "sparse.png")
+    assert out.stat().st_size > 10_000

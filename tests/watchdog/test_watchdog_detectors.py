@@ -1,0 +1,206 @@
+"""Detectors on synthetic telemetry: quiet on noisy healthy runs, loud on each fault shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from watchdog_curves import GLOBAL_BATCH, Faults, simulate, snapshot
+
+from supervisor.spec import RecoverySpec
+from supervisor.watchdog.detectors import (
+    by_step,
+    classify_failure,
+    detect_all,
+    detect_checkpoint_problems,
+    detect_grad_explosion,
+    detect_hang,
+    detect_job_state,
+    detect_loss_spike,
+    detect_nonfinite,
+    detect_replica_mismatch,
+    detect_straggler,
+    detect_throughput_drop,
+)
+from supervisor.watchdog.snapshot import Cause, FindingKind, JobState, SourceHealth
+
+
+@pytest.mark.parametrize("steps_per_sample", [1, 3, 7])
+def test_noisy_healthy_runs_produce_no_finding(rc: RecoverySpec, steps_per_sample: int) -> None:
+    """Every prefix of 60 seeded healthy runs (trend + heavy-tailed noise) is judged healthy."""
+    for seed in range(60):
+        samples = simulate(seed, steps=400, steps_per_sample=steps_per_sample)
+        for end in range(10, len(samples) + 1, 5):
+            findings = detect_all(snapshot(samples[:end]), rc)
+            assert findings == [], (seed, end, findings)
+
+
+def test_sustained_spike_found_with_onset_bounded_by_last_healthy_sample(
+    rc: RecoverySpec,
+) -> None:
+    for seed in range(20):
+        samples = simulate(seed, steps=300, faults=Faults(spike_steps=(201, 260)))
+        upto = [s for s in samples if s.step is not None and s.step <= 210]
+        findings = detect_loss_spike(snapshot(upto), rc)
+        assert len(findings) == 1, seed
+        f = findings[0]
+        assert f.kind is FindingKind.LOSS_SPIKE and f.cause is Cause.DATA
+        assert f.last_healthy_step is not None and f.first_bad_step is not None
+        assert f.last_healthy_step < 201 <= f.first_bad_step
+        lo, hi = f.sample_window  # type: ignore[misc]
+        # The bad step's samples lie inside the window that a rollback would skip.
+        assert lo <= 200 * GLOBAL_BATCH < hi
+        assert f.evidence["elevated_steps"] >= rc.loss_spike_sustain_steps
+        assert f.evidence["threshold"] > f.evidence["baseline_median"]
+
+
+def test_transient_single_step_spike_is_not_sustained(rc: RecoverySpec) -> None:
+    samples = simulate(3, steps=300, steps_per_sample=1, faults=Faults(spike_steps=(200, 201)))
+    for end in range(150, 230):
+        assert detect_loss_spike(snapshot(samples[:end]), rc) == []
+
+
+def test_spike_between_scrapes_counts_its_real_length_via_window_min(rc: RecoverySpec) -> None:
+    """Scrapes every 16 steps: the window minimum shows all 16 steps were high."""
+    samples = simulate(5, steps=640, steps_per_sample=16, faults=Faults(spike_steps=(513, 600)))
+    upto = [s for s in samples if (s.step or 0) <= 544]
+    (f,) = detect_loss_spike(snapshot(upto), rc)
+    assert f.last_healthy_step == 512 and f.first_bad_step == 528
+
+
+def test_spike_that_resolved_itself_is_not_reported(rc: RecoverySpec) -> None:
+    samples = simulate(8, steps=400, steps_per_sample=1, faults=Faults(spike_steps=(200, 206)))
+    upto = [s for s in samples if (s.step or 0) <= 260]
+    assert detect_loss_spike(snapshot(upto), rc) == []
+
+
+def test_nonfinite_found_once_and_onset_bounded(rc: RecoverySpec) -> None:
+    samples = simulate(1, steps=300, steps_per_sample=4, faults=Faults(nan_from=150))
+    upto = [s for s in samples if (s.step or 0) <= 152]
+    (f,) = detect_nonfinite(snapshot(upto), rc)
+    assert f.kind is FindingKind.NONFINITE
+    assert f.last_healthy_step == 148 and f.first_bad_step == 152
+    assert f.sample_window == (148 * GLOBAL_BATCH, 152 * GLOBAL_BATCH)
+    assert f.evidence["loss"] == "nan"
+
+
+def test_grad_explosion_needs_sustain(rc: RecoverySpec) -> None:
+    samples = simulate(2, steps=300, steps_per_sample=1, faults=Faults(grad_from=250))
+    assert detect_grad_explosion(snapshot(samples[:251]), rc) == []
+    (f,) = detect_grad_explosion(snapshot(samples[:253]), rc)
+    assert f.first_bad_step == 250 and f.last_healthy_step == 249
+
+
+def test_throughput_drop(rc: RecoverySpec) -> None:
+    samples = simulate(4, steps=200, steps_per_sample=2, faults=Faults(slow_from=180))
+    assert detect_throughput_drop(snapshot(samples[:89]), rc) == []
+    (f,) = detect_throughput_drop(snapshot(samples), rc)
+    assert f.evidence["baseline"] > 2 * f.evidence["tokens_per_second"][-1]
+
+
+def test_straggler_names_the_slow_node(rc: RecoverySpec) -> None:
+    samples = simulate(6, steps=60, faults=Faults(straggler="n2"))
+    (f,) = detect_straggler(snapshot(samples), rc)
+    assert f.nodes == ("n2",) and f.cause is Cause.NODE and f.evidence["ratio"] > 1.5
+
+
+def test_hang_uses_median_step_time_with_a_floor(rc: RecoverySpec) -> None:
+    samples = simulate(7, steps=200, faults=Faults(hang_at=150), step_seconds=10.0)
+    last = samples[-1]
+    assert last.step == 150
+    hung_for = last.t - last.last_step_ts  # type: ignore[operator]
+    # 50 steps × 10 s of silence vs a limit of max(10 × ~10 s, 60 s) = ~100 s.
+    (f,) = detect_hang(snapshot(samples), rc)
+    assert f.kind is FindingKind.HANG and f.last_healthy_step == 150
+    assert f.evidence["idle_seconds"] > f.evidence["limit_seconds"] >= 90
+    assert hung_for > 400
+    just_started = snapshot(samples, now=last.last_step_ts + 30)  # type: ignore[operator]
+    assert detect_hang(just_started, rc) == []
+    # A fast run still gets the 60 s floor.
+    fast = simulate(7, steps=100, faults=Faults(hang_at=90), step_seconds=0.1)
+    assert detect_hang(snapshot(fast, now=fast[-1].last_step_ts + 59), rc) == []  # type: ignore[operator]
+    assert detect_hang(snapshot(fast, now=fast[-1].last_step_ts + 61), rc) != []  # type: ignore[operator]
+
+
+def test_hang_needs_a_running_job(rc: RecoverySpec) -> None:
+    samples = simulate(7, steps=100, faults=Faults(hang_at=50))
+    now = samples[-1].t + 1000
+    assert detect_hang(snapshot(samples, now=now, job_state=JobState.PENDING), rc) == []
+    assert detect_hang(snapshot(samples, now=now, job_health=SourceHealth.DOWN), rc) == []
+
+
+def test_replica_mismatch_and_checkpoint_problems(rc: RecoverySpec) -> None:
+    samples = simulate(9, steps=100, faults=Faults(mismatch_from=80))
+    (f,) = detect_replica_mismatch(snapshot(samples), rc)
+    assert f.first_bad_step == 80 and f.last_healthy_step == 78
+
+    stalled = simulate(9, steps=500, faults=Faults(checkpoints_stop_at=150, checkpoint_failures=2))
+    kinds = {f.kind for f in detect_checkpoint_problems(snapshot(stalled), rc)}
+    assert kinds == {FindingKind.CHECKPOINT_FAILURE, FindingKind.CHECKPOINT_STALL}
+    fine = simulate(9, steps=500)
+    assert detect_checkpoint_problems(snapshot(fine), rc) == []
+
+
+@pytest.mark.parametrize("health", [SourceHealth.DOWN, SourceHealth.STALE, SourceHealth.MISSING])
+def test_unknown_metrics_never_convict(rc: RecoverySpec, health: SourceHealth) -> None:
+    """Even data that shows NaN, spikes and hangs yields nothing unless the source is UP."""
+    samples = simulate(
+        1, steps=300, faults=Faults(nan_from=200, spike_steps=(150, 300), hang_at=250)
+    )
+    snap = snapshot(samples, health=health, now=samples[-1].t + 10_000)
+    assert detect_all(snap, rc) == []
+    up = dataclasses.replace(snap.metrics, health=SourceHealth.UP)
+    assert detect_all(dataclasses.replace(snap, metrics=up), rc)
+
+
+@pytest.mark.parametrize(
+    ("state", "kind", "cause"),
+    [
+        (JobState.NODE_FAIL, FindingKind.JOB_NODE_FAIL, Cause.NODE),
+        (JobState.PREEMPTED, FindingKind.JOB_PREEMPTED, Cause.INFRA),
+        (JobState.TIMEOUT, FindingKind.JOB_TIMEOUT, Cause.INFRA),
+        (JobState.OUT_OF_MEMORY, FindingKind.JOB_OOM, Cause.CODE),
+        (JobState.LOST, FindingKind.JOB_LOST, Cause.UNKNOWN),
+        (JobState.CANCELLED, FindingKind.JOB_CANCELLED, Cause.UNKNOWN),
+    ],
+)
+def test_job_states(rc: RecoverySpec, state: JobState, kind: FindingKind, cause: Cause) -> None:
+    (f,) = detect_job_state(snapshot([], job_state=state, failed_nodes=("n2",)), rc)
+    assert (f.kind, f.cause) == (kind, cause)
+    assert f.nodes == ("n2",)
+    assert detect_job_state(snapshot([], job_state=state, job_health=SourceHealth.DOWN), rc) == []
+
+
+def test_completed_job_before_target_continues_and_at_target_is_quiet(rc: RecoverySpec) -> None:
+    early = snapshot([], job_state=JobState.COMPLETED, disk_checkpoint_step=500, target_steps=1000)
+    (f,) = detect_job_state(early, rc)
+    assert f.kind is FindingKind.JOB_ENDED_EARLY and f.last_healthy_step == 500
+    done = snapshot([], job_state=JobState.COMPLETED, disk_checkpoint_step=1000, target_steps=1000)
+    assert detect_job_state(done, rc) == []
+    running = snapshot([], job_state=JobState.RUNNING)
+    assert detect_job_state(running, rc) == []
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "cause"),
+    [
+        (75, None, Cause.INFRA),
+        (1, "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp", Cause.NODE),
+        (1, "torch.cuda: CUDA error: uncorrectable ECC error encountered", Cause.NODE),
+        (1, "ModuleNotFoundError: No module named 'megatron'", Cause.CODE),
+        (76, "injected crash at step 40", Cause.UNKNOWN),
+        (None, None, Cause.UNKNOWN),
+    ],
+)
+def test_classify_failure(code: int | None, reason: str | None, cause: Cause) -> None:
+    assert classify_failure(code, reason) is cause
+
+
+def test_by_step_dedupes_repeated_scrapes_and_restarts(rc: RecoverySpec) -> None:
+    samples = simulate(1, steps=20, steps_per_sample=1)
+    doubled = [s for s in samples for _ in range(3)]
+    assert [s.step for s in by_step(doubled)] == list(range(1, 21))
+    restarted = samples[:10] + samples[:5]
+    assert [s.step for s in by_step(restarted)] == [1, 2, 3, 4, 5]
+    assert math.isfinite(samples[0].loss or math.nan)

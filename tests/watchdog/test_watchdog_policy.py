@@ -1,0 +1,262 @@
+"""Policy: one remedy per situation, cause-aware escalation, budgets, unknown ≠ healthy."""
+
+from __future__ import annotations
+
+import pytest
+from watchdog_curves import GLOBAL_BATCH, snapshot
+
+from supervisor.spec import RecoverySpec
+from supervisor.watchdog.policy import decide, rollback_target
+from supervisor.watchdog.snapshot import (
+    Cause,
+    CheckpointRef,
+    Finding,
+    FindingKind,
+    JobState,
+    MetricSample,
+    PastRemedy,
+    RemedyKind,
+    RunHistory,
+    SourceHealth,
+)
+
+NOW = 1_000_000.0
+NODES = ("n1", "n2")
+CKPTS = tuple(CheckpointRef(step=s, saved_at=NOW - 1000 + s) for s in (100, 200, 300))
+
+
+def nan_at(healthy: int, bad: int) -> Finding:
+    return Finding(
+        kind=FindingKind.NONFINITE,
+        summary="nan",
+        cause=Cause.DATA,
+        last_healthy_step=healthy,
+        first_bad_step=bad,
+        sample_window=(healthy * GLOBAL_BATCH, bad * GLOBAL_BATCH),
+    )
+
+
+def snap_at(step: int, **kw: object):  # type: ignore[no-untyped-def]
+    sample = MetricSample(t=NOW - 1, step=step)
+    return snapshot([sample], now=NOW, nodes=NODES, **kw)  # type: ignore[arg-type]
+
+
+def past(kind: RemedyKind, finding: FindingKind, *, ago: float = 60, **kw: object) -> PastRemedy:
+    return PastRemedy(kind=kind, attempt=1, at=NOW - ago, finding_kind=finding, **kw)  # type: ignore[arg-type]
+
+
+def test_no_findings_is_none(rc: RecoverySpec) -> None:
+    r = decide(snap_at(10), [], RunHistory(), rc)
+    assert r.kind is RemedyKind.NONE and r.reason == "healthy"
+    down = snap_at(10, health=SourceHealth.DOWN)
+    assert decide(down, [], RunHistory(), rc).reason == "unknown"
+
+
+def test_first_numeric_fault_rolls_back_before_onset_and_skips(rc: RecoverySpec) -> None:
+    r = decide(snap_at(255), [nan_at(250, 254)], RunHistory(checkpoints=CKPTS), rc)
+    assert r.kind is RemedyKind.ROLLBACK and r.suspect is Cause.DATA
+    assert r.to_step == 200
+    assert r.skip_ranges == ((250 * GLOBAL_BATCH, 254 * GLOBAL_BATCH),)
+
+
+def test_rollback_extra_skip_and_from_scratch(rc: RecoverySpec) -> None:
+    extra = rc.model_copy(update={"rollback_skip_steps": 10})
+    r = decide(snap_at(55), [nan_at(50, 54)], RunHistory(), extra)
+    assert r.to_step == 0
+    assert r.skip_ranges == ((50 * GLOBAL_BATCH, (54 + 10) * GLOBAL_BATCH),)
+    # A checkpoint saved exactly at the last healthy step is fine; one after it is not.
+    assert rollback_target(nan_at(300, 304), RunHistory(checkpoints=CKPTS)) == 300
+    assert rollback_target(nan_at(299, 304), RunHistory(checkpoints=CKPTS)) == 200
+
+
+def test_bad_data_running_past_the_skip_extends_it_then_suspects_node(rc: RecoverySpec) -> None:
+    first = past(
+        RemedyKind.ROLLBACK,
+        FindingKind.NONFINITE,
+        step=254,
+        skip_ranges=((2000, 2032),),
+        attempt_nodes=NODES,
+    )
+    # The new bad window starts where the skip ended: skip more.
+    cont = Finding(
+        kind=FindingKind.NONFINITE,
+        summary="nan",
+        last_healthy_step=250,
+        first_bad_step=252,
+        sample_window=(2032, 2048),
+    )
+    hist = RunHistory(remedies=(first,), checkpoints=CKPTS, attempt_nodes=NODES)
+    r = decide(snap_at(253), [cont], hist, rc)
+    assert r.kind is RemedyKind.ROLLBACK and r.skip_ranges == ((2032, 2048),)
+    # Budget of rollbacks per incident (2) spent: suspect a node of every faulty attempt.
+    second = past(
+        RemedyKind.ROLLBACK,
+        FindingKind.NONFINITE,
+        step=253,
+        skip_ranges=((2032, 2048),),
+        attempt_nodes=NODES,
+    )
+    hist2 = RunHistory(
+        remedies=(first, second),
+        checkpoints=CKPTS,
+        attempt_nodes=NODES,
+        node_strikes={"n2": 3},
+    )
+    cont2 = Finding(
+        kind=FindingKind.NONFINITE,
+        summary="nan",
+        last_healthy_step=250,
+        first_bad_step=252,
+        sample_window=(2048, 2064),
+    )
+    r2 = decide(snap_at(254), [cont2], hist2, rc)
+    assert r2.kind is RemedyKind.EXCLUDE_NODE and r2.exclude_nodes == ("n2",)
+    assert r2.suspect is Cause.NODE
+
+
+def test_recurrence_at_other_data_suspects_the_node(rc: RecoverySpec) -> None:
+    first = past(
+        RemedyKind.ROLLBACK,
+        FindingKind.LOSS_SPIKE,
+        step=254,
+        skip_ranges=((2000, 2032),),
+        attempt_nodes=("n1", "n3"),
+    )
+    hist = RunHistory(remedies=(first,), checkpoints=CKPTS, attempt_nodes=("n1", "n2"))
+    r = decide(snap_at(280), [nan_at(270, 272)], hist, rc)
+    # Only n1 was in both faulty attempts.
+    assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n1",)
+
+
+def test_fault_that_follows_the_job_to_new_nodes_is_data_or_code(rc: RecoverySpec) -> None:
+    excl = past(
+        RemedyKind.EXCLUDE_NODE,
+        FindingKind.NONFINITE,
+        step=260,
+        excluded=("n1",),
+        attempt_nodes=("n1",),
+    )
+    hist = RunHistory(
+        remedies=(excl,),
+        excluded_nodes=frozenset({"n1"}),
+        checkpoints=CKPTS,
+        attempt_nodes=("n4",),
+    )
+    r = decide(snap_at(270), [nan_at(265, 268)], hist, rc)
+    assert r.kind is RemedyKind.ROLLBACK and r.suspect is Cause.DATA
+    tried = RunHistory(
+        remedies=(
+            past(
+                RemedyKind.ROLLBACK,
+                FindingKind.NONFINITE,
+                ago=120,
+                step=250,
+                attempt_nodes=("n1",),
+                skip_ranges=((0, 8),),
+            ),
+            excl,
+        ),
+        excluded_nodes=frozenset({"n1"}),
+        checkpoints=CKPTS,
+        attempt_nodes=("n4",),
+    )
+    r2 = decide(snap_at(270), [nan_at(265, 268)], tried, rc)
+    assert r2.kind is RemedyKind.ESCALATE and r2.suspect is Cause.CODE
+
+
+def test_restart_storm_escalates_but_requeues_do_not_count(rc: RecoverySpec) -> None:
+    hang = Finding(kind=FindingKind.HANG, summary="hang", last_healthy_step=100)
+    restarts = tuple(
+        past(RemedyKind.RESTART, FindingKind.JOB_FAILED, ago=60 * i, step=100 + i)
+        for i in range(1, 6)
+    )
+    r = decide(snap_at(500), [hang], RunHistory(remedies=restarts), rc)
+    assert r.kind is RemedyKind.ESCALATE and "restart storm" in r.reason
+    old = tuple(
+        past(RemedyKind.RESTART, FindingKind.JOB_FAILED, ago=3600 + i, step=100 + i)
+        for i in range(5)
+    )
+    assert decide(snap_at(500), [hang], RunHistory(remedies=old), rc).kind is RemedyKind.RESTART
+    requeues = tuple(
+        past(RemedyKind.REQUEUE, FindingKind.JOB_PREEMPTED, ago=10 * i) for i in range(10)
+    )
+    assert decide(snap_at(500), [hang], RunHistory(remedies=requeues), rc).kind is (
+        RemedyKind.RESTART
+    )
+
+
+def test_no_progress_cycle_escalates(rc: RecoverySpec) -> None:
+    crash = Finding(kind=FindingKind.JOB_FAILED, summary="crash")
+    cycle = tuple(
+        past(RemedyKind.RESTART, FindingKind.HANG, ago=3000 - i, step=120) for i in range(3)
+    )
+    loose = rc.model_copy(update={"max_restarts": 50})
+    r = decide(snap_at(118), [crash], RunHistory(remedies=cycle), loose)
+    assert r.kind is RemedyKind.ESCALATE and "no progress" in r.reason
+
+
+def test_hang_restarts_then_excludes_common_node(rc: RecoverySpec) -> None:
+    hang = Finding(kind=FindingKind.HANG, summary="hang", last_healthy_step=100)
+    hist = RunHistory(attempt_nodes=NODES)
+    assert decide(snap_at(100), [hang], hist, rc).kind is RemedyKind.RESTART
+    again = RunHistory(
+        remedies=(
+            past(RemedyKind.RESTART, FindingKind.HANG, step=100, attempt_nodes=("n2", "n3")),
+        ),
+        attempt_nodes=NODES,
+    )
+    r = decide(snap_at(100), [hang], again, rc)
+    assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n2",)
+
+
+def test_exclusion_budget_escalates(rc: RecoverySpec) -> None:
+    fail = Finding(
+        kind=FindingKind.JOB_NODE_FAIL, summary="node fail", cause=Cause.NODE, nodes=("n2",)
+    )
+    ok = decide(snap_at(10, job_state=JobState.NODE_FAIL), [fail], RunHistory(), rc)
+    assert ok.kind is RemedyKind.EXCLUDE_NODE and ok.exclude_nodes == ("n2",)
+    full = RunHistory(excluded_nodes=frozenset({"n7", "n8"}))
+    r = decide(snap_at(10), [fail], full, rc)
+    assert r.kind is RemedyKind.ESCALATE and "budget" in r.reason
+    unknown_node = Finding(kind=FindingKind.JOB_NODE_FAIL, summary="node fail", cause=Cause.NODE)
+    assert decide(snap_at(10), [unknown_node], RunHistory(), rc).kind is RemedyKind.RESTART
+
+
+@pytest.mark.parametrize(
+    ("kind", "cause", "expected"),
+    [
+        (FindingKind.JOB_PREEMPTED, Cause.INFRA, RemedyKind.REQUEUE),
+        (FindingKind.JOB_TIMEOUT, Cause.INFRA, RemedyKind.REQUEUE),
+        (FindingKind.JOB_ENDED_EARLY, Cause.INFRA, RemedyKind.REQUEUE),
+        (FindingKind.JOB_FAILED, Cause.INFRA, RemedyKind.REQUEUE),
+        (FindingKind.JOB_FAILED, Cause.CODE, RemedyKind.ESCALATE),
+        (FindingKind.JOB_FAILED, Cause.UNKNOWN, RemedyKind.RESTART),
+        (FindingKind.JOB_OOM, Cause.CODE, RemedyKind.ESCALATE),
+        (FindingKind.JOB_CANCELLED, Cause.UNKNOWN, RemedyKind.ESCALATE),
+        (FindingKind.JOB_LOST, Cause.UNKNOWN, RemedyKind.RESTART),
+        (FindingKind.REPLICA_MISMATCH, Cause.UNKNOWN, RemedyKind.ESCALATE),
+        (FindingKind.CHECKPOINT_STALL, Cause.INFRA, RemedyKind.ESCALATE),
+        (FindingKind.CHECKPOINT_FAILURE, Cause.INFRA, RemedyKind.OBSERVE),
+        (FindingKind.THROUGHPUT_DROP, Cause.UNKNOWN, RemedyKind.OBSERVE),
+    ],
+)
+def test_remedy_by_kind(
+    rc: RecoverySpec, kind: FindingKind, cause: Cause, expected: RemedyKind
+) -> None:
+    f = Finding(kind=kind, summary=kind.value, cause=cause)
+    assert decide(snap_at(10), [f], RunHistory(), rc).kind is expected
+
+
+def test_crash_on_named_node_excludes_it(rc: RecoverySpec) -> None:
+    f = Finding(kind=FindingKind.JOB_FAILED, summary="NCCL", cause=Cause.NODE, nodes=("n1",))
+    r = decide(snap_at(10), [f], RunHistory(), rc)
+    assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n1",)
+
+
+@pytest.mark.parametrize(
+    "kind", [FindingKind.NONFINITE, FindingKind.JOB_NODE_FAIL, FindingKind.HANG]
+)
+def test_slurm_unknown_never_destructive(rc: RecoverySpec, kind: FindingKind) -> None:
+    f = Finding(kind=kind, summary=kind.value, last_healthy_step=5, first_bad_step=6)
+    r = decide(snap_at(10, job_health=SourceHealth.DOWN), [f], RunHistory(), rc)
+    assert r.kind is RemedyKind.OBSERVE and not r.kind.resubmits

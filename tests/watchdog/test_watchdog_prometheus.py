@@ -1,0 +1,237 @@
+"""Metric sources against a real Prometheus (and real worker-style endpoints) on loopback."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prom_harness import Exporter, PrometheusServer
+
+from supervisor.prometheus import (
+    QUERIED_FIELDS,
+    PrometheusSource,
+    ScrapeSource,
+    Target,
+    assemble,
+    parse_matrix,
+)
+from supervisor.spec import RecoverySpec
+from supervisor.watchdog.detectors import detect_all, detect_nonfinite
+from supervisor.watchdog.policy import decide
+from supervisor.watchdog.snapshot import (
+    JobState,
+    JobView,
+    RemedyKind,
+    RunHistory,
+    Snapshot,
+    SourceHealth,
+)
+
+pytestmark = pytest.mark.integration
+
+R1 = ("r1", 1)
+
+
+class FakeTrainer:
+    """Drives two node endpoints like a 2-node run would: steps every `dt` seconds."""
+
+    def __init__(self, primary: Exporter, other: Exporter, attempt: int = 1, dt: float = 0.1):
+        self.primary, self.other, self.attempt, self.dt = primary, other, attempt, dt
+        self.step = 0
+        self.nan_from: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> FakeTrainer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        a = str(self.attempt)
+        n1, n2 = ("r1", a, "n1"), ("r1", a, "n2")
+        while not self._stop.is_set():
+            self.step += 1
+            bad = self.nan_from is not None and self.step >= self.nan_from
+            loss = math.nan if bad else 3.0 + 5.0 * math.exp(-self.step / 50)
+            p = self.primary
+            for exp, labels in ((p, n1), (self.other, n2)):
+                exp.set("nightwatch_train_step", labels, self.step)
+                exp.set("nightwatch_train_last_step_timestamp_seconds", labels, time.time())
+                exp.set("nightwatch_train_step_time_window_avg_seconds", labels, self.dt)
+                exp.set("nightwatch_train_up", labels, 1)
+            p.set("nightwatch_train_loss", n1, loss)
+            p.set("nightwatch_train_loss_window_max", n1, loss)
+            p.set("nightwatch_train_loss_window_min", n1, loss)
+            p.set("nightwatch_train_grad_norm", n1, math.nan if bad else 1.0)
+            p.set("nightwatch_train_grad_norm_window_max", n1, math.nan if bad else 1.0)
+            p.set("nightwatch_train_samples_consumed", n1, self.step * 8)
+            p.set("nightwatch_train_tokens_per_second", n1, 1000.0)
+            p.set("nightwatch_train_checkpoint_step", n1, (self.step // 50) * 50)
+            p.inc("nightwatch_train_nonfinite_steps_total", n1, 1.0 if bad else 0.0)
+            time.sleep(self.dt)
+
+
+@pytest.fixture
+def exporters() -> Iterator[tuple[Exporter, Exporter]]:
+    e1, e2 = Exporter().start(), Exporter().start()
+    yield e1, e2
+    e1.stop()
+    e2.stop()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, exporters: tuple[Exporter, Exporter]) -> Iterator[PrometheusServer]:
+    server = PrometheusServer(tmp_path, [e.port for e in exporters])
+    server.start()
+    yield server
+    server.stop()
+
+
+def _snapshot(key: tuple[str, int], view, now: float) -> Snapshot:  # type: ignore[no-untyped-def]
+    job = JobView(health=SourceHealth.UP, state=JobState.RUNNING, nodes=("n1", "n2"))
+    return Snapshot(key[0], key[1], now, view, job, global_batch_size=8)
+
+
+def test_prometheus_source_observes_detects_and_reports_down(
+    prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
+) -> None:
+    rc = RecoverySpec()
+    source = PrometheusSource(prometheus.url, stale_after_s=5.0, window_s=120.0)
+    with FakeTrainer(*exporters) as trainer:
+        prometheus.wait_for_series('nightwatch_train_step{node="n2"}')
+        time.sleep(2.5)
+        views = source.collect([R1, ("r9", 1)], time.time())
+        # One query per metric for all runs, none per run.
+        assert source.queries == len(QUERIED_FIELDS) + 1
+        r1 = views[R1]
+        assert r1.health is SourceHealth.UP, r1
+        assert views[("r9", 1)].health is SourceHealth.MISSING
+        steps = [s.step for s in r1.samples]
+        assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] > steps[0]
+        latest = r1.samples[-1]
+        assert set(latest.step_time) == {"n1", "n2"}
+        assert latest.samples_consumed == latest.step * 8  # type: ignore[operator]
+        assert detect_all(_snapshot(R1, r1, time.time()), rc) == []
+
+        # NaN from a known step: found within one scrape interval + one tick.
+        trainer.nan_from = trainer.step + 2
+        injected = time.time()
+        finding = None
+        while time.time() - injected < 10 and finding is None:
+            time.sleep(0.5)
+            now = time.time()
+            found = detect_nonfinite(_snapshot(R1, source.collect([R1], now)[R1], now), rc)
+            finding = found[0] if found else None
+        latency = time.time() - injected
+        assert finding is not None
+        assert finding.last_healthy_step < trainer.nan_from <= finding.first_bad_step  # type: ignore[operator]
+        lo, hi = finding.sample_window  # type: ignore[misc]
+        assert lo < trainer.nan_from * 8 <= hi
+        print(f"\nnonfinite detection latency via Prometheus: {latency:.2f} s")
+        assert latency < 1.0 + 0.5 + 1.5  # scrape interval + tick + slack for a loaded CI box
+
+        # Prometheus stopped: every view DOWN, nothing convicts, no destructive remedy.
+        prometheus.stop()
+        for _ in range(3):
+            now = time.time()
+            view = source.collect([R1], now)[R1]
+            assert view.health is SourceHealth.DOWN
+            snap = _snapshot(R1, view, now)
+            assert detect_all(snap, rc) == []
+            assert decide(snap, [], RunHistory(), rc).kind is RemedyKind.NONE
+        trainer.nan_from = None
+        prometheus.start()
+        prometheus.wait_for_series("nightwatch_train_step", count=2)
+        time.sleep(1.5)
+        assert source.collect([R1], time.time())[R1].health is SourceHealth.UP
+
+
+def test_prometheus_source_keeps_attempts_apart_and_goes_stale(
+    prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
+) -> None:
+    source = PrometheusSource(prometheus.url, stale_after_s=3.0, window_s=120.0)
+    with FakeTrainer(*exporters, attempt=2):
+        prometheus.wait_for_series('nightwatch_train_step{attempt="2"}', count=2)
+        time.sleep(1.5)
+        views = source.collect([("r1", 1), ("r1", 2)], time.time())
+    assert views[("r1", 2)].health is SourceHealth.UP
+    assert views[("r1", 1)].health is SourceHealth.MISSING
+    # The endpoints vanish: Prometheus marks the series stale, the window stays but is not UP.
+    for e in exporters:
+        e.stop()
+    time.sleep(4.0)
+    later = source.collect([("r1", 2)], time.time())[("r1", 2)]
+    assert later.health is SourceHealth.STALE
+    assert later.samples  # the window is still there, only not trusted
+
+
+def test_scrape_source_reads_endpoints_and_fails_down(
+    exporters: tuple[Exporter, Exporter],
+) -> None:
+    e1, e2 = exporters
+    targets = [
+        Target("r1", 1, "n1", "127.0.0.1", e1.port),
+        Target("r1", 1, "n2", "127.0.0.1", e2.port),
+    ]
+    source = ScrapeSource(lambda: targets, stale_after_s=5.0)
+    with FakeTrainer(e1, e2, dt=0.05):
+        time.sleep(0.3)
+        first = source.collect([R1, ("r2", 1)], time.time())
+        time.sleep(0.3)
+        second = source.collect([R1], time.time())[R1]
+    assert first[("r2", 1)].health is SourceHealth.MISSING
+    assert second.health is SourceHealth.UP and len(second.samples) == 2
+    latest = second.samples[-1]
+    assert latest.loss is not None and latest.nonfinite_total == 0
+    assert set(latest.step_time) == {"n1", "n2"}
+    assert second.samples[0].step < latest.step  # type: ignore[operator]
+    e2.stop()
+    down = source.collect([R1], time.time())[R1]
+    assert down.health is SourceHealth.DOWN
+
+
+def test_parse_matrix_and_assemble_on_recorded_answers() -> None:
+    payload = {
+        "status": "success",
+        "data": {
+            "resultType": "matrix",
+            "result": [
+                {
+                    "metric": {"run_id": "r1", "attempt": "1", "node": "n1"},
+                    "values": [[100.0, "5"], [101.0, "6"]],
+                },
+                {
+                    "metric": {"run_id": "r1", "attempt": "0", "node": "n1"},
+                    "values": [[100.0, "99"]],
+                },
+            ],
+        },
+    }
+    step = parse_matrix(payload)
+    loss = parse_matrix(
+        {
+            "status": "success",
+            "data": {
+                "resultType": "matrix",
+                "result": [
+                    {
+                        "metric": {"run_id": "r1", "attempt": "1", "node": "n1"},
+                        "values": [[100.0, "NaN"], [101.0, "2.5"]],
+                    }
+                ],
+            },
+        }
+    )
+    out = assemble({"nightwatch_train_step": step, "nightwatch_train_loss": loss}, [R1])
+    (s1, s2) = out[R1]
+    assert (s1.step, s2.step, s2.loss) == (5, 6, 2.5) and math.isnan(s1.loss)  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="query failed"):
+        parse_matrix({"status": "error", "error": "bad"})

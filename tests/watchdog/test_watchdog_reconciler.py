@@ -1,0 +1,270 @@
+"""The reconcile loop on a real SQLite store with a fake SLURM and a fake metrics source."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from sqlalchemy import select
+from watchdog_curves import Faults, simulate
+from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
+
+from supervisor import store
+from supervisor.db import Database
+from supervisor.models import (
+    Action,
+    ActionState,
+    Attempt,
+    Event,
+    EventKind,
+    Incident,
+    IncidentState,
+    Node,
+    NodeHealth,
+    Run,
+    RunState,
+)
+from supervisor.slurm import JobState
+from supervisor.spec import RunSpec
+from supervisor.watchdog.actions import checkpoint_dir
+from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
+from supervisor.watchdog.snapshot import MetricSample, RemedyKind
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Database:
+    database = Database(f"sqlite:///{tmp_path / 'nw.db'}")
+    database.upgrade()
+    return database
+
+
+def make(
+    db: Database, tmp_path: Path, cluster: FakeCluster, source: FakeSource, **kw: object
+) -> Reconciler:
+    config = WatchdogConfig(home=tmp_path / "home", lease_ttl_s=60, **kw)  # type: ignore[arg-type]
+    return Reconciler(db, cluster, source, config, registry=CollectorRegistry())
+
+
+def new_run(db: Database, spec: dict | None = None) -> str:
+    with db.write_session() as s:
+        run, _ = store.create_run(s, RunSpec.model_validate(spec or TINY_SPEC))
+        return run.id
+
+
+def get_run(db: Database, run_id: str) -> Run:
+    with db.session() as s:
+        return store.get_run(s, run_id)
+
+
+def rows(db: Database, model: type, run_id: str) -> list:
+    with db.session() as s:
+        return list(s.scalars(select(model).where(model.run_id == run_id).order_by(model.id)))
+
+
+def running(db: Database, tmp_path: Path, cluster: FakeCluster, source: FakeSource) -> tuple:
+    """A run submitted and running as attempt 1 on n1, n2."""
+    rec = make(db, tmp_path, cluster, source)
+    run_id = new_run(db)
+    rec.tick()
+    job = cluster.submitted[-1][0]
+    cluster.set(job, JobState.RUNNING)
+    rec.tick()
+    return rec, run_id, job
+
+
+def test_pending_run_is_submitted_once_and_followed(db: Database, tmp_path: Path) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    for _ in range(3):
+        rec.tick()
+    assert len(cluster.submitted) == 1
+    run = get_run(db, run_id)
+    assert run.state is RunState.RUNNING and run.current_attempt == 1
+    (attempt,) = rows(db, Attempt, run_id)
+    assert attempt.job_id == job and attempt.nodes_json == ["n1", "n2"]
+    # One batched poll per tick, whatever the number of runs.
+    polls = cluster.poll_calls
+    for _ in range(4):
+        new_run(db)
+    rec.tick()
+    rec.tick()
+    assert cluster.poll_calls == polls + 2
+
+
+def nan_samples(run_id: str, attempt: int = 1) -> list[MetricSample]:
+    return simulate(1, steps=130, steps_per_sample=2, faults=Faults(nan_from=121))
+
+
+def test_nan_rolls_back_before_onset_skips_and_recovers(db: Database, tmp_path: Path) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(TINY_SPEC))
+    for step in (50, 100):
+        write_checkpoint(ckpt, step, step * 8)
+    source.samples[(run_id, 1)] = nan_samples(run_id)
+    result = rec.tick()
+    remedy = result.remedies[run_id]
+    assert remedy.kind is RemedyKind.ROLLBACK and remedy.to_step == 100
+    assert cluster.cancelled == [job]
+    (_, request) = cluster.submitted[-1]
+    assert request.job_name == f"nw-{run_id}-a2"
+    run = get_run(db, run_id)
+    assert run.state is RunState.RECOVERING and run.current_attempt == 2
+    assert run.skip_ranges_json == [[120 * 8, 122 * 8]]
+    attempts = rows(db, Attempt, run_id)
+    assert attempts[-1].resume_step == 100 and attempts[-1].skip_ranges_json == [[960, 976]]
+    (incident,) = rows(db, Incident, run_id)
+    assert incident.state is IncidentState.REMEDYING and incident.remedy == "rollback"
+    intent, outcome = (
+        [e for e in rows(db, Event, run_id) if e.kind is k]
+        for k in (EventKind.ACTION_INTENT, EventKind.ACTION_OUTCOME)
+    )
+    assert any("rollback" in e.message for e in intent)
+    assert any("rollback" in e.message and "done" in e.message for e in outcome)
+
+    # Ticks that see the same evidence do nothing more: attempt 1 is no longer current.
+    rec.tick()
+    assert len(cluster.submitted) == 2 and cluster.cancelled == [job]
+
+    # Attempt 2 runs from step 100 and gets past it: recovered.
+    job2 = cluster.submitted[-1][0]
+    cluster.set(job2, JobState.RUNNING)
+    now = time.time()
+    source.samples[(run_id, 2)] = [
+        MetricSample(t=now - 2, step=100, loss=3.0, samples_consumed=800),
+        MetricSample(t=now - 1, step=103, loss=3.0, samples_consumed=840),
+    ]
+    rec.tick()
+    (incident,) = rows(db, Incident, run_id)
+    assert incident.state is IncidentState.RECOVERED
+    assert incident.steps_lost == 30  # reached 130, resumed from 100
+    assert get_run(db, run_id).state is RunState.RUNNING
+    text = generate_latest(rec.registry).decode()
+    assert "nightwatch_supervisor_mttr_seconds_count 1.0" in text
+    assert 'nightwatch_supervisor_remedies_total{kind="rollback"} 1.0' in text
+
+
+def test_replayed_remedy_is_a_noop(db: Database, tmp_path: Path) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    source.samples[(run_id, 1)] = nan_samples(run_id)
+    remedy = rec.tick().remedies[run_id]
+    from supervisor.watchdog.actions import ActContext
+
+    ctx = ActContext(run_id=run_id, attempt=1, job_id=job, job_active=True, step=130)
+    assert rec.actuator.apply(ctx, remedy)
+    assert len(cluster.submitted) == 2 and cluster.cancelled == [job]
+    keys = [a.key for a in rows(db, Action, run_id)]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("when", ["before_submit", "after_submit"])
+def test_crash_mid_remedy_resumes_without_duplicate_job(
+    db: Database, tmp_path: Path, when: str
+) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    source.samples[(run_id, 1)] = nan_samples(run_id)
+    setattr(cluster, f"crash_{when}", True)
+    with pytest.raises(Crash):
+        rec.tick()
+    # A fresh supervisor (no memory) over the same database and cluster.
+    again = make(db, tmp_path, cluster, source, holder=rec.config.holder)
+    again.tick()
+    again.tick()
+    a2 = [r for _, r in cluster.submitted if r.job_name == f"nw-{run_id}-a2"]
+    assert len(a2) == 1
+    assert cluster.cancelled == [job]
+    run = get_run(db, run_id)
+    assert run.current_attempt == 2 and run.state is RunState.RECOVERING
+    actions = rows(db, Action, run_id)
+    assert all(a.state is ActionState.DONE for a in actions), [(a.key, a.state) for a in actions]
+    assert rows(db, Attempt, run_id)[-1].job_id == cluster.submitted[-1][0]
+
+
+def test_slurm_unknown_is_never_destructive(db: Database, tmp_path: Path) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, _ = running(db, tmp_path, cluster, source)
+    source.samples[(run_id, 1)] = nan_samples(run_id)
+    cluster.down = True
+    for _ in range(3):
+        result = rec.tick()
+        assert not result.slurm_up
+        assert result.remedies[run_id].kind is RemedyKind.OBSERVE
+    assert len(cluster.submitted) == 1 and cluster.cancelled == []
+    assert get_run(db, run_id).state is RunState.RUNNING
+    cluster.down = False
+    assert rec.tick().remedies[run_id].kind is RemedyKind.ROLLBACK
+
+
+def test_metrics_down_means_no_findings_and_no_actions(db: Database, tmp_path: Path) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, _ = running(db, tmp_path, cluster, source)
+    source.samples[(run_id, 1)] = nan_samples(run_id)
+    source.down = True
+    for _ in range(3):
+        result = rec.tick()
+        assert result.findings == {} and result.remedies == {} and not result.metrics_up
+    text = generate_latest(rec.registry).decode()
+    assert 'nightwatch_supervisor_source_up{source="prometheus"} 0.0' in text
+    assert len(cluster.submitted) == 1 and not cluster.cancelled
+    assert not rows(db, Incident, run_id)
+
+
+def test_preemption_requeues_and_completion_succeeds(db: Database, tmp_path: Path) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(TINY_SPEC))
+    write_checkpoint(ckpt, 150, 1200)
+    cluster.set(job, JobState.PREEMPTED)
+    assert rec.tick().remedies[run_id].kind is RemedyKind.REQUEUE
+    assert cluster.cancelled == []  # it is not running: nothing to cancel
+    job2, request = cluster.submitted[-1]
+    assert request.job_name.endswith("-a2")
+    assert rows(db, Attempt, run_id)[-1].resume_step is None  # newest checkpoint
+    write_checkpoint(ckpt, 300, 2400)
+    cluster.set(job2, JobState.COMPLETED, exit_code=0)
+    rec.tick()
+    assert get_run(db, run_id).state is RunState.SUCCEEDED
+    rec.tick()
+    assert len(cluster.submitted) == 2
+
+
+def test_node_fail_excludes_the_node_and_resubmits(db: Database, tmp_path: Path) -> None:
+    cluster, source = FakeCluster(nodes_per_job=("n1", "n2", "n3")), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    old = cluster.states[job]
+    cluster.states[job] = type(old)(job, JobState.NODE_FAIL, old.nodes, failed_nodes=("n2",))
+    remedy = rec.tick().remedies[run_id]
+    assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == ("n2",)
+    _, request = cluster.submitted[-1]
+    assert "n2" in request.exclude
+    assert get_run(db, run_id).excluded_nodes_json == ["n2"]
+    with db.session() as s:
+        node = s.get(Node, "n2")
+        assert node is not None and node.health is NodeHealth.EXCLUDED and node.strikes == 1
+
+
+def test_cancel_request_cancels_the_job(db: Database, tmp_path: Path) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    with db.write_session() as s:
+        store.request_cancel(s, run_id)
+    rec.tick()
+    assert cluster.cancelled == [job]
+    assert get_run(db, run_id).state is RunState.CANCELLED
+    rec.tick()
+    assert cluster.cancelled == [job]
+
+
+def test_only_the_lease_holder_acts(db: Database, tmp_path: Path) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    first = make(db, tmp_path, cluster, source)
+    second = make(db, tmp_path, cluster, source)
+    new_run(db)
+    assert first.tick().leader
+    result = second.tick()
+    assert not result.leader and result.submitted == []
+    assert len(cluster.submitted) == 1

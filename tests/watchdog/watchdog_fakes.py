@@ -1,0 +1,142 @@
+"""Fakes for the reconciler's unit tests: a cluster and a metrics source the test steers.
+
+They implement the same interfaces as `supervisor.slurm.Cluster` and
+`supervisor.prometheus.MetricSource`; the database, store, policy and actuator are real.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_runs.checkpointing import step_dir, write_meta
+from supervisor.slurm import (
+    JobRequest,
+    JobState,
+    JobStatus,
+    NodeInfo,
+    SourceUnavailable,
+    Submission,
+)
+from supervisor.watchdog.snapshot import MetricSample, MetricsView, SourceHealth
+
+TINY_SPEC = {
+    "name": "tiny",
+    "model": {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "seq_length": 32,
+        "vocab_size": 256,
+    },
+    "resources": {"nodes": 2, "gpus_per_node": 1},
+    "parallelism": {"data": 2},
+    "training": {"train_steps": 300, "micro_batch_size": 1, "global_batch_size": 8},
+    "checkpoint": {"interval_steps": 50},
+}
+
+
+class Crash(BaseException):
+    """Stands for SIGKILL in the middle of an action: nothing after it runs."""
+
+
+@dataclass
+class FakeCluster:
+    kind: str = "slurm"
+    nodes_per_job: tuple[str, ...] = ("n1", "n2")
+    states: dict[str, JobStatus] = field(default_factory=dict)
+    submitted: list[tuple[str, JobRequest]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    drained: list[str] = field(default_factory=list)
+    poll_calls: int = 0
+    down: bool = False
+    crash_after_submit: bool = False
+    crash_before_submit: bool = False
+    next_id: int = 100
+
+    def submit(self, request: JobRequest, fn: Callable[[], object]) -> Submission:
+        if self.crash_before_submit:
+            self.crash_before_submit = False
+            raise Crash()
+        job_id = str(self.next_id)
+        self.next_id += 1
+        self.submitted.append((job_id, request))
+        nodes = tuple(n for n in self.nodes_per_job if n not in request.exclude)
+        self.states[job_id] = JobStatus(job_id, JobState.PENDING, nodes)
+        if self.crash_after_submit:
+            self.crash_after_submit = False
+            raise Crash()
+        return Submission(job_id=job_id, log_dir=request.log_dir / job_id)
+
+    def find_jobs(self, job_name: str) -> list[str]:
+        return [j for j, r in self.submitted if r.job_name == job_name]
+
+    def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+        self.poll_calls += 1
+        if self.down:
+            raise SourceUnavailable("sacct: connection refused")
+        return {j: self.states.get(j, JobStatus(j, JobState.UNKNOWN)) for j in job_ids}
+
+    def set(self, job_id: str, state: JobState, exit_code: int | None = None) -> None:
+        old = self.states[job_id]
+        self.states[job_id] = JobStatus(job_id, state, old.nodes, exit_code=exit_code)
+
+    def cancel(self, job_id: str) -> None:
+        if self.down:
+            raise SourceUnavailable("scancel failed")
+        self.cancelled.append(job_id)
+        self.set(job_id, JobState.CANCELLED)
+
+    def requeue(self, job_id: str) -> None:
+        raise NotImplementedError
+
+    def signal(self, job_id: str, sig: str = "USR2") -> None:
+        raise NotImplementedError
+
+    def drain(self, node: str, reason: str) -> None:
+        self.drained.append(node)
+
+    def resume_node(self, node: str) -> None:
+        raise NotImplementedError
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        return {n: NodeInfo(n, "idle") for n in self.nodes_per_job}
+
+    def log_files(self, job_id: str, log_dir: Path | None = None) -> list[Path]:
+        return []
+
+    def active_jobs(self) -> list[str]:
+        return [j for j, s in self.states.items() if s.state.active]
+
+
+@dataclass
+class FakeSource:
+    """Per (run, attempt) sample lists the test appends to; `down` fails the whole source."""
+
+    name: str = "prometheus"
+    samples: dict[tuple[str, int], list[MetricSample]] = field(default_factory=dict)
+    down: bool = False
+
+    def collect(self, keys: Sequence[tuple[str, int]], now: float) -> dict:
+        out = {}
+        for k in keys:
+            if self.down:
+                out[k] = MetricsView(SourceHealth.DOWN)
+            elif self.samples.get(k):
+                out[k] = MetricsView(SourceHealth.UP, tuple(self.samples[k]))
+            else:
+                out[k] = MetricsView(SourceHealth.MISSING)
+        return out
+
+
+def write_checkpoint(root: Path, step: int, consumed: int, saved_at: float | None = None) -> None:
+    """A complete checkpoint directory per docs/contracts.md (one small file listed)."""
+    d = step_dir(root, step)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model.bin").write_bytes(b"x" * 16)
+    layout = {"tensor": 1, "pipeline": 1, "data": 2}
+    write_meta(d, step, consumed, 3.0, layout, saved_at=saved_at or time.time())
+    (root / "latest").write_text(json.dumps(step))

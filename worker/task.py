@@ -1,0 +1,154 @@
+"""The submitit callable: one instance is pickled per attempt, every task of the job runs it.
+
+Why a frozen dataclass of plain values: it must pickle (and unpickle in a fresh interpreter)
+without the supervisor's modules. It sets the torch.distributed environment from the task,
+registers the node's metrics endpoint (local rank 0 of each node, per the contract), runs the
+training entry point and turns its result into the process exit code the supervisor reads
+(75 = checkpointed on USR2/TERM, requeue me). It has no `checkpoint` method on purpose: the
+supervisor, not submitit, decides requeues.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from worker.env import TaskInfo, dist_env, node_name, task_info
+from worker.registration import Registrar
+
+log = logging.getLogger("nightwatch.worker")
+
+EXIT_REQUEUE = 75  # megatron_runs.exitcodes.REQUEUE
+
+
+class _EarlyStop:
+    """Remember a USR2/TERM that lands before the trainer installs its own handlers.
+
+    submitit's default USR2 handler would `scontrol requeue` the job behind our back, and the
+    default TERM action kills without a checkpoint; nothing has trained yet, so leaving with 75
+    loses no steps.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, self)
+
+
+@dataclass(frozen=True)
+class TrainingTask:
+    run_id: str
+    attempt: int
+    spec_json: str
+    checkpoint_dir: str
+    resume_step: int | None = None
+    skip_ranges: tuple[tuple[int, int], ...] = ()
+    stop_at_step: int | None = None
+    metrics: bool = True
+    entry: str = "megatron_runs.train"
+    env: tuple[tuple[str, str], ...] = ()
+
+    def __call__(self) -> int:
+        early = _EarlyStop()
+        early.install()
+        # The launcher's environment (docs/contracts.md), set before torch is imported.
+        os.environ.update(dict(self.env))
+        info = task_info()
+        code = 1
+        try:
+            code = self._run(info, early)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+            raise
+        finally:
+            _record_exit(info, code)
+        return code
+
+    def _run(self, info: TaskInfo, early: _EarlyStop) -> int:
+        os.environ.update(dist_env(info))
+        node = node_name()
+        context = {"run_id": self.run_id, "attempt": self.attempt, "job_id": info.job_id}
+        _configure_logging()
+        log.info(
+            "task start node=%s rank=%d/%d local_rank=%d master=%s:%s",
+            node,
+            info.global_rank,
+            info.num_tasks,
+            info.local_rank,
+            os.environ["MASTER_ADDR"],
+            os.environ["MASTER_PORT"],
+            extra=context,
+        )
+        _select_device(info.local_rank)
+        module = importlib.import_module(self.entry)
+        from supervisor.spec import RunSpec
+
+        spec = RunSpec.model_validate_json(self.spec_json)
+        registrar = _registrar(self.run_id, self.attempt, node)
+        ctx = module.TrainContext(
+            run_id=self.run_id,
+            attempt=self.attempt,
+            node=node,
+            checkpoint_dir=Path(self.checkpoint_dir),
+            resume_step=self.resume_step,
+            skip_ranges=[tuple(r) for r in self.skip_ranges],
+            metrics_port=0 if self.metrics else None,
+            on_metrics_ready=registrar.start if registrar else None,
+            stop_at_step=self.stop_at_step,
+        )
+        if early.signum is not None:
+            log.warning("stop signal %d before training started", early.signum, extra=context)
+            sys.exit(EXIT_REQUEUE)
+        try:
+            result = module.train(spec, ctx)
+        finally:
+            if registrar:
+                registrar.stop()
+        code = int(getattr(result, "exit_code", 0) or 0)
+        log.info("task end exit_code=%d", code, extra=context)
+        if code:
+            # SystemExit passes submitit's `except Exception`, so the task exits with this code
+            # and sacct shows it (e.g. FAILED 75:0 for a checkpointed preemption).
+            sys.exit(code)
+        return code
+
+
+def _record_exit(info: TaskInfo, code: int) -> None:
+    """`<job folder>/<job>_<rank>_exit_code`: the local executor's only record of task codes
+    (its controller exits 0 whatever the tasks did); on SLURM it is evidence beside sacct."""
+    if info.folder:
+        path = Path(info.folder) / f"{info.job_id}_{info.global_rank}_exit_code"
+        path.write_text(str(code))
+
+
+def _registrar(run_id: str, attempt: int, node: str) -> Registrar | None:
+    """A registrar when the launcher passed a supervisor URL (docs/contracts.md)."""
+    url = os.environ.get("NIGHTWATCH_URL")
+    if not url:
+        return None
+    return Registrar(url, os.environ.get("NIGHTWATCH_WORKER_TOKEN"), run_id, attempt, node)
+
+
+def _select_device(local_rank: int) -> None:
+    """One GPU per task when there are GPUs; CPU (gloo) otherwise."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def _configure_logging() -> None:
+    from supervisor.logs import configure_logging
+
+    configure_logging()
