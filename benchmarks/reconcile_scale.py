@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import multiprocessing
 import os
 import signal
 import socket
@@ -24,9 +25,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import httpx
@@ -109,35 +110,41 @@ class BatchCluster:
 
 
 class FleetExporter:
-    """All runs' series on one endpoint; a thread advances every run one step per second."""
+    """All runs' series on one endpoint; advances every run one step per second.
+
+    Runs in its own process (as workers do), so its Python work does not compete with the
+    reconciler for the GIL and distort the measurement.
+    """
 
     def __init__(self, run_ids: list[str]) -> None:
-        self.registry = CollectorRegistry()
-        # Counters are exposed as gauges here: only the sample names matter to PromQL.
-        self.g = {
-            n: Gauge(f"nightwatch_train_{n}", n, LABELS, registry=self.registry) for n in GAUGES
-        }
-        self.run_ids = run_ids
-        self.step = 0
-        self._stop = threading.Event()
-        self.server, _ = start_http_server(0, addr="127.0.0.1", registry=self.registry)
-        self.port = int(self.server.server_address[1])
-        self.advance()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+        parent, child = multiprocessing.Pipe()
+        self.proc = multiprocessing.Process(target=_serve_fleet, args=(run_ids, child), daemon=True)
+        self.proc.start()
+        self.port = int(parent.recv())
 
-    def advance(self) -> None:
-        self.step += 1
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.join(10)
+
+
+def _serve_fleet(run_ids: list[str], conn: Connection) -> None:
+    registry = CollectorRegistry()
+    # Counters are exposed as gauges here: only the sample names matter to PromQL.
+    g = {n: Gauge(f"nightwatch_train_{n}", n, LABELS, registry=registry) for n in GAUGES}
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+    tick = 0
+    while True:
+        tick += 1
         now = time.time()
-        for i, run_id in enumerate(self.run_ids):
-            step = self.step + i % 7
+        for i, run_id in enumerate(run_ids):
+            step = tick + i % 7
             loss = 2.5 + 6 * math.exp(-step / 300) + 0.02 * math.sin(step * 1.3 + i)
             for node in ("n1", "n2"):
                 lab = (run_id, "1", node)
-                self.g["step"].labels(*lab).set(step)
-                self.g["last_step_timestamp_seconds"].labels(*lab).set(now)
-                self.g["up"].labels(*lab).set(1)
-                self.g["step_time_window_avg_seconds"].labels(*lab).set(1.0)
+                g["step"].labels(*lab).set(step)
+                g["last_step_timestamp_seconds"].labels(*lab).set(now)
+                g["up"].labels(*lab).set(1)
+                g["step_time_window_avg_seconds"].labels(*lab).set(1.0)
             lab = (run_id, "1", "n1")
             for name, value in (
                 ("target_steps", 1_000_000),
@@ -154,17 +161,10 @@ class FleetExporter:
                 ("checkpoint_failures_total", 0),
                 ("replica_mismatches_total", 0),
             ):
-                self.g[name].labels(*lab).set(value)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            self.advance()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.server.shutdown()
-        self.server.server_close()
+                g[name].labels(*lab).set(value)
+        if tick == 1:
+            conn.send(server.server_address[1])
+        time.sleep(max(0.0, 1.0 - (time.time() - now)))
 
 
 def free_port() -> int:
@@ -174,12 +174,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def prometheus(workdir: Path, target_port: int):  # type: ignore[no-untyped-def]
+def prometheus(workdir: Path, target_ports: Sequence[int]):  # type: ignore[no-untyped-def]
     port = free_port()
     config = workdir / "prometheus.yml"
+    targets = ", ".join(f"'127.0.0.1:{p}'" for p in target_ports)
     config.write_text(
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
-        f"  - job_name: fleet\n    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n"
+        f"  - job_name: fleet\n    static_configs:\n      - targets: [{targets}]\n"
     )
     proc = subprocess.Popen(
         [
@@ -218,6 +219,14 @@ def wait_for_fleet(url: str, runs: int, timeout_s: float = 60) -> None:
     raise TimeoutError("Prometheus never saw the whole fleet")
 
 
+def _scrape_seconds(url: str) -> str:
+    r = httpx.get(
+        f"{url}/api/v1/query", params={"query": "max(max_over_time(scrape_duration_seconds[1m]))"}
+    )
+    result = r.json()["data"]["result"]
+    return f"≤ {float(result[0]['value'][1]):.2f} s" if result else "unknown"
+
+
 def seed_runs(db: Database, n: int) -> list[str]:
     spec = RunSpec.model_validate(SPEC)
     ids = []
@@ -244,9 +253,10 @@ def main() -> int:
         t0 = time.perf_counter()
         run_ids = seed_runs(db, args.runs)
         print(f"seeded {len(run_ids)} running runs in {time.perf_counter() - t0:.1f} s")
-        exporter = FleetExporter(run_ids)
+        # Several endpoints, as a fleet's workers would have: one per 250 runs.
+        exporters = [FleetExporter(run_ids[i : i + 250]) for i in range(0, len(run_ids), 250)]
         try:
-            with prometheus(work, exporter.port) as url:
+            with prometheus(work, [e.port for e in exporters]) as url:
                 wait_for_fleet(url, args.runs)
                 time.sleep(5)  # a few scrapes of history for the trailing window
                 cluster = BatchCluster()
@@ -262,8 +272,10 @@ def main() -> int:
                     assert not result.remedies, result.remedies
                     steady.append(result.duration_s)
                 samples = source.history.view((run_ids[0], 1), time.time()).samples
+                scrape = _scrape_seconds(url)
         finally:
-            exporter.close()
+            for e in exporters:
+                e.close()
         db.dispose()
     med = statistics.median(steady)
     print(
@@ -271,7 +283,7 @@ def main() -> int:
         f"steady median {med:.3f} s (min {min(steady):.3f}, max {max(steady):.3f}, "
         f"{len(steady)} ticks); {source.queries / (len(steady) + 1):.0f} PromQL queries per tick, "
         f"{cluster.polls} SLURM polls in {len(steady) + 1} ticks; "
-        f"window {len(samples)} samples/run"
+        f"window {len(samples)} samples/run; Prometheus scrape of the fleet {scrape}"
     )
     return 0 if med <= args.target else 1
 

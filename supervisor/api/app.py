@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 
 from supervisor.api import errors
-from supervisor.api.routes import health, runs, specs, workers
+from supervisor.api.routes import health, report, runs, specs, workers
 from supervisor.db import Database
 from supervisor.metrics import SupervisorMetrics
 from supervisor.settings import Settings
@@ -49,7 +49,7 @@ def create_app(
     app.state.registry = registry or CollectorRegistry()
     app.state.metrics = SupervisorMetrics(app.state.registry)
     errors.install(app)
-    for module in (runs, specs, workers, health):
+    for module in (runs, specs, workers, health, report):
         app.include_router(module.router)
     app.middleware("http")(_observe)
     return app

@@ -13,7 +13,7 @@ RUN_ID_PATTERN = r"^r-[0-9a-f]{12}$"
 NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 HOST_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9.:-]{0,254}$"
 RUN_NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$"
-MAX_ATTEMPT = 2**31 - 1
+MAX_ATTEMPT = 2**31 - 1  # the largest value of a 32-bit integer column
 
 
 class ProblemOut(BaseModel):

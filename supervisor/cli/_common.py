@@ -27,6 +27,7 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 def load_spec(path: Path) -> RunSpec:
     """Parse a YAML/JSON spec file or exit with one line naming the bad fields."""
+    import yaml
     from pydantic import ValidationError
 
     from supervisor.spec import RunSpec
@@ -40,7 +41,7 @@ def load_spec(path: Path) -> RunSpec:
             f"{'.'.join(str(p) for p in e['loc']) or 'spec'}: {e['msg']}" for e in exc.errors()
         ]
         fail(f"{path}: " + "; ".join(parts))
-    except ValueError as exc:  # YAML / JSON syntax, or not a mapping
+    except (ValueError, yaml.YAMLError) as exc:  # YAML / JSON syntax, or not a mapping
         fail(f"{path}: {' '.join(str(exc).split())}")
 
 

@@ -35,7 +35,7 @@ def test_api_conforms_to_its_schema(
         st, "run", f"{live_server.url}/openapi.json",
         "--checks", CHECKS,
         "--header", f"Authorization: Bearer {tokens.admin}",
-        "--max-examples", "60",
+        "--max-examples", "40",
         "--phases", "examples,fuzzing",
         "--generation-database", "none",
         "--workers", "2",

@@ -227,6 +227,26 @@ def _stop_process(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+def start_prometheus(stack: ExitStack, tmp: Path, config: dict[str, Any]) -> str:
+    """Start Prometheus on a free loopback port with `config`; stopped when `stack` closes."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise RuntimeError("the `prometheus` binary is required (Debian package prometheus)")
+    config_file = tmp / "prometheus.yml"
+    config_file.write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = stack.enter_context((tmp / "prometheus.log").open("w"))
+    proc = subprocess.Popen(
+        [binary, f"--config.file={config_file}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    stack.callback(_stop_process, proc)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: httpx.get(f"{url}/-/ready", timeout=2).status_code == 200, 30, "ready")
+    return url
+
+
 @contextmanager
 def running_stack(tmp: Path) -> Iterator[LivePrometheus]:
     """Prometheus scraping a simulated two-node run and the supervisor, with data flowing.
@@ -234,9 +254,6 @@ def running_stack(tmp: Path) -> Iterator[LivePrometheus]:
     Yields once every target has been scraped a few times (enough for rate() / increase());
     everything it started is stopped on exit.
     """
-    binary = shutil.which("prometheus")
-    if binary is None:
-        raise RuntimeError("the `prometheus` binary is required (Debian package prometheus)")
     with ExitStack() as stack:
         nodes = [
             WorkerNode("n1", rank0=True, step_time=0.5),
@@ -253,27 +270,15 @@ def running_stack(tmp: Path) -> Iterator[LivePrometheus]:
         stack.callback(sd.close)
         token_file = tmp / "nightwatch_token"
         token_file.write_text(sd.token + "\n")
-        config_file = tmp / "prometheus.yml"
-        config_file.write_text(
-            yaml.safe_dump(prometheus_config(sd.url, supervisor.address, token_file))
+        url = start_prometheus(
+            stack, tmp, prometheus_config(sd.url, supervisor.address, token_file)
         )
-        port = free_port()
-        log = stack.enter_context((tmp / "prometheus.log").open("w"))
-        proc = subprocess.Popen(
-            [binary, f"--config.file={config_file}", f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        stack.callback(_stop_process, proc)
         stop = threading.Event()
         driver = threading.Thread(target=_driven, args=(nodes, supervisor, stop), daemon=True)
         driver.start()
         stack.callback(driver.join, 5)
         stack.callback(stop.set)
-        live = LivePrometheus(f"http://127.0.0.1:{port}", sd, nodes, supervisor)
-        wait_for(
-            lambda: httpx.get(f"{live.url}/-/ready", timeout=2).status_code == 200, 30, "ready"
-        )
+        live = LivePrometheus(url, sd, nodes, supervisor)
         wait_for(
             lambda: len(live.query("count_over_time(up[1m]) >= 5 and up == 1")) == 3,
             45,

@@ -13,6 +13,8 @@ import pytest
 from oncall_live import RUN_ID, LivePrometheus
 from promql_truth import Query, all_queries, failures, run_queries
 
+pytestmark = pytest.mark.integration  # a real Prometheus server
+
 
 def test_every_dashboard_and_alert_query_returns_data(live_prometheus: LivePrometheus) -> None:
     queries = all_queries()

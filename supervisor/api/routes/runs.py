@@ -11,6 +11,7 @@ from supervisor.api.deps import ReadToken, SessionDep, SubmitToken, WriteSession
 from supervisor.api.errors import LayoutRejected
 from supervisor.api.examples import SPEC_EXAMPLES
 from supervisor.api.schemas import (
+    MAX_ATTEMPT,
     RUN_ID_PATTERN,
     RUN_NAME_PATTERN,
     ErrorBody,
@@ -36,6 +37,7 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERRORS)
 
+MAX_EVENT_ID = MAX_ATTEMPT  # events.id is a 32-bit integer column
 RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])]
 
 
@@ -127,7 +129,7 @@ def run_events(
     run_id: RunId,
     session: SessionDep,
     _: ReadToken,
-    after: Annotated[int, Query(ge=0, le=2**62, description="Last event id seen.")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_EVENT_ID, description="Last event id seen.")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Any:
     """Timeline: state changes, incidents, action intents and outcomes, with evidence."""

@@ -1,0 +1,187 @@
+"""The `nightwatch` CLI: local commands against a temp NIGHTWATCH_HOME, API commands against a
+real server; errors are one line with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from supervisor import store
+from supervisor.cli import app
+from supervisor.db import Database
+from supervisor.models import RunState
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+runner = CliRunner()
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
+    return runner.invoke(app, list(args), env=env, catch_exceptions=False)
+
+
+def one_line_error(result: Any) -> str:
+    assert result.exit_code != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu", "gpt-1.3b-4gpu", "llama-8b-32gpu"])
+def test_validate_examples(name: str) -> None:
+    result = invoke("validate", str(EXAMPLES / f"{name}.yaml"))
+    assert result.exit_code == 0, result.output
+    assert "tokens / step" in result.stdout
+
+
+def test_validate_reports_the_8b_worked_example() -> None:
+    result = invoke("validate", "--json", str(EXAMPLES / "llama-8b-32gpu.yaml"))
+    report = json.loads(result.stdout)
+    assert report["tokens_per_step"] == 131_072 and report["ok"]
+
+
+def test_validate_rejects_bad_layouts_and_bad_files(tmp_path: Path) -> None:
+    spec = (EXAMPLES / "tiny-cpu.yaml").read_text().replace("tensor: 2", "tensor: 3")
+    (tmp_path / "bad.yaml").write_text(spec)
+    result = invoke("validate", str(tmp_path / "bad.yaml"))
+    assert result.exit_code == 1
+    assert "error: resources: nodes × gpus_per_node = 1 × 4 = 4 GPUs" in result.stdout
+
+    (tmp_path / "typo.yaml").write_text(spec.replace("num_layers", "num_layer"))
+    line = one_line_error(invoke("validate", str(tmp_path / "typo.yaml")))
+    assert "model.num_layers: Field required" in line and "model.num_layer:" in line
+    (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
+    assert "broken.yaml" in one_line_error(invoke("validate", str(tmp_path / "broken.yaml")))
+    assert "No such file" in one_line_error(invoke("validate", str(tmp_path / "nope.yaml")))
+
+
+def test_db_upgrade_and_token_create_work_locally(tmp_path: Path) -> None:
+    env = {"NIGHTWATCH_HOME": str(tmp_path / "home"), "NIGHTWATCH_DATABASE_URL": ""}
+    result = invoke("db", "upgrade", env=env)
+    assert result.exit_code == 0 and "up to date" in result.stdout
+    assert (tmp_path / "home" / "nightwatch.db").exists()
+    created = invoke("token", "create", "--name", "ci", "--scope", "submit", env=env)
+    assert created.exit_code == 0
+    secret = created.stdout.strip()
+    assert secret.startswith("nw_") and "\n" not in secret
+    assert "shown only once" in created.stderr and secret not in created.stderr
+    db = Database(f"sqlite:///{tmp_path / 'home' / 'nightwatch.db'}")
+    with db.session() as s:
+        token = store.token_for_secret(s, secret)
+        assert token is not None and token.scopes == ["submit"] and token.name == "ci"
+    db.dispose()
+    bad = invoke("token", "create", "--name", "x", "--scope", "root", env=env)
+    assert "unknown scope" in one_line_error(bad)
+
+
+def test_unreachable_database_is_one_line(tmp_path: Path) -> None:
+    env = {"NIGHTWATCH_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none"}
+    assert "database" in one_line_error(invoke("db", "upgrade", env=env))
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+def test_submit_list_status_events_cancel_over_http(
+    live_server: Any, tokens: Any, database: Database
+) -> None:
+    env = {"NIGHTWATCH_URL": live_server.url, "NIGHTWATCH_TOKEN": tokens.submit}
+    spec = str(EXAMPLES / "tiny-cpu.yaml")
+    submitted = invoke("submit", spec, "--idempotency-key", "k-1", env=env)
+    assert submitted.exit_code == 0, submitted.output
+    run_id = submitted.stdout.strip()
+    assert invoke("submit", spec, "--idempotency-key", "k-1", env=env).stdout.strip() == run_id
+
+    listing = invoke("runs", "--state", "pending", env=env)
+    assert run_id in listing.stdout and "tiny-cpu" in listing.stdout
+    assert run_id not in invoke("runs", "--state", "running", env=env).stdout
+    status = invoke("status", run_id, "--json", env=env)
+    assert json.loads(status.stdout)["state"] == "pending"
+
+    assert f"{run_id}: cancelled" in invoke("cancel", run_id, env=env).stdout
+    events = invoke("events", run_id, env=env).stdout.splitlines()
+    assert "run created (pending)" in events[0] and "pending → cancelled" in events[1]
+
+    line = one_line_error(invoke("status", "r-000000000000", env=env))
+    assert "HTTP 404" in line and "r-000000000000 not found" in line
+    no_token = one_line_error(invoke("runs", env={"NIGHTWATCH_URL": live_server.url}))
+    assert "HTTP 401" in no_token and "NIGHTWATCH_TOKEN" in no_token
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+def test_submit_wait_follows_the_run_to_its_end(
+    live_server: Any, tokens: Any, database: Database
+) -> None:
+    """The run is finished by a thread playing the reconciler while the CLI polls."""
+    import threading
+
+    env = {"NIGHTWATCH_URL": live_server.url, "NIGHTWATCH_TOKEN": tokens.submit}
+
+    def finish_first_pending_run() -> None:
+        for _ in range(200):
+            with database.write_session() as s:
+                pending = store.runs_in_states(s, [RunState.PENDING])
+                if pending:
+                    run_id = pending[0].id
+                    store.transition_run(s, run_id, RunState.SUBMITTED)
+                    store.transition_run(s, run_id, RunState.RUNNING)
+                    store.transition_run(s, run_id, RunState.FAILED, reason="exit 1")
+                    return
+            threading.Event().wait(0.05)
+
+    worker = threading.Thread(target=finish_first_pending_run)
+    worker.start()
+    result = invoke(
+        "submit", str(EXAMPLES / "tiny-cpu.yaml"), "--wait", "--poll-seconds", "0.1", env=env
+    )
+    worker.join()
+    assert result.exit_code == 1
+    progress = result.stderr.strip().splitlines()
+    assert progress[-1].startswith("error: ") and progress[-1].endswith("ended failed")
+
+
+def test_unreachable_server_is_one_line() -> None:
+    env = {"NIGHTWATCH_URL": "http://127.0.0.1:9", "NIGHTWATCH_TOKEN": "nw_x"}
+    assert "cannot reach the supervisor" in one_line_error(invoke("runs", env=env))
+
+
+def test_cli_import_is_light() -> None:
+    code = (
+        "import sys, supervisor.cli; "
+        "heavy = [m for m in ('torch', 'megatron', 'fastapi', 'sqlalchemy') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_data_prepare_is_wired_to_megatron_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fake data_prep module records the call: the command must pass input, out, vocab."""
+    import types
+    from dataclasses import dataclass
+
+    calls: list[tuple[Any, ...]] = []
+
+    @dataclass
+    class Prepared:
+        prefix: Path
+        tokenizer_path: Path
+
+    def prepare(input_jsonl: Path | None, out_dir: Path, vocab_size: int) -> Prepared:
+        calls.append((input_jsonl, out_dir, vocab_size))
+        return Prepared(out_dir / "demo_text_document", out_dir / "tokenizer.json")
+
+    fake = types.ModuleType("megatron_runs.data_prep")
+    fake.prepare = prepare  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megatron_runs.data_prep", fake)
+    result = invoke("data", "prepare", "--out", str(tmp_path), "--vocab-size", "512")
+    assert result.exit_code == 0, result.output
+    assert calls == [(None, tmp_path, 512)]
+    assert f"data.prefix: {tmp_path / 'demo_text_document'}" in result.stdout
+    missing = invoke("data", "prepare", "--input", str(tmp_path / "none.jsonl"))
+    assert "no such file" in one_line_error(missing)

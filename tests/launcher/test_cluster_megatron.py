@@ -1,0 +1,48 @@
+"""The real trainer (Megatron-Core GPT, TP 2 × PP 2 on CPU) through SLURM on 2 nodes × 2 tasks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from supervisor import launcher
+from supervisor.slurm import JobState, wait_for
+from supervisor.spec import RunSpec
+
+from .cluster_helpers import job_logs, latest
+from .conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def test_megatron_tp2_pp2_on_two_nodes_trains_and_checkpoints(slurm, tmp_path, toy_plan):
+    data_prep = pytest.importorskip("megatron_runs.data_prep")
+    spec = RunSpec.from_file(REPO / "examples" / "tiny-cpu.yaml")
+    spec = spec.model_copy(
+        update={
+            "name": "megatron-2x2",
+            "resources": spec.resources.model_copy(update={"nodes": 2, "gpus_per_node": 2}),
+            "training": spec.training.model_copy(update={"train_steps": 4, "lr_warmup_steps": 1}),
+            "checkpoint": spec.checkpoint.model_copy(update={"interval_steps": 2}),
+        }
+    )
+    assert spec.layout_problems() == []
+    home = tmp_path / "home"
+    # prepared once here, so four ranks do not race to build the demo corpus
+    data_prep.prepare(None, home / "data", spec.model.vocab_size)
+    plan = replace(
+        toy_plan(tmp_path, spec),
+        entry="megatron_runs.train",
+        env={"PYTHONPATH": str(REPO), "NIGHTWATCH_HOME": str(home)},
+    )
+    sub = launcher.submit(slurm, plan)
+    status = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=240, interval_s=1)
+    logs = job_logs(slurm, sub.job_id, plan.log_dir)
+    assert status.state is JobState.COMPLETED, logs[-4000:]
+    assert len(status.nodes) == 2
+    assert latest(plan.checkpoint_dir) == 4
+    from megatron_runs.checkpointing import list_checkpoints
+
+    steps = [c.step for c in list_checkpoints(plan.checkpoint_dir)]
+    assert 4 in steps and 2 in steps, steps
