@@ -1,7 +1,8 @@
 """Load test of the control-plane API: POST /v1/runs and GET /v1/runs/{id} at concurrency 32.
 
-The server runs as a separate process (`python -m supervisor.cli serve`) on 127.0.0.1 with a
-fresh SQLite file or a fresh PostgreSQL database; this process is the client (asyncio + httpx).
+The server runs as a separate process (`python -m supervisor.cli serve --no-reconciler`, so
+the stored runs are not launched) on 127.0.0.1 with a fresh SQLite file or a fresh PostgreSQL
+database; this process is the client (asyncio + httpx).
 Closed loop by default (as fast as 32 clients go); `--rate R` paces requests at R/s and measures
 latency from each request's scheduled start, so a stalled server cannot hide its queueing.
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import psycopg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +52,8 @@ class Result:
     seconds: float
     p50_ms: float
     p99_ms: float
+    server_cpu_ms: float
+    """Server process CPU time per request: what one request costs, whatever the load."""
 
     @property
     def rps(self) -> float:
@@ -79,8 +83,8 @@ def _database(kind: str) -> Iterator[str]:
 
 
 @contextmanager
-def _server(url: str) -> Iterator[tuple[str, str]]:
-    """Migrate, mint a token, start `serve` in its own process; yield (base URL, token)."""
+def _server(url: str) -> Iterator[tuple[str, str, psutil.Process]]:
+    """Migrate, mint a token, start `serve` in its own process; yield (URL, token, process)."""
     db = Database(url)
     db.upgrade()
     with db.write_session() as session:
@@ -91,7 +95,7 @@ def _server(url: str) -> Iterator[tuple[str, str]]:
     env = {**os.environ, "NIGHTWATCH_DATABASE_URL": url, "NIGHTWATCH_HOME": home,
            "NIGHTWATCH_PORT": str(port)}  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "serve"],
+        [sys.executable, "-m", "supervisor.cli", "serve", "--no-reconciler"],
         env=env,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
@@ -109,7 +113,7 @@ def _server(url: str) -> Iterator[tuple[str, str]]:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError("server did not start")
             time.sleep(0.1)
-        yield base, secret
+        yield base, secret, psutil.Process(proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=15)
@@ -165,15 +169,17 @@ def _percentile(values: list[float], q: float) -> float:
 
 def bench(kind: str, seconds: float, concurrency: int, rate: float | None) -> list[Result]:
     results = []
-    with _database(kind) as url, _server(url) as (base, token):
+    with _database(kind) as url, _server(url) as (base, token, server):
         run_ids: list[str] = []
         asyncio.run(_phase(base, token, "POST", 1.0, concurrency, None, run_ids))  # warm-up
         for op in ("POST", "GET"):
+            cpu_before = sum(server.cpu_times()[:2])
             lat, errors, elapsed = asyncio.run(
                 _phase(base, token, op, seconds, concurrency, rate, run_ids)
             )
+            cpu_ms = 1000 * (sum(server.cpu_times()[:2]) - cpu_before) / len(lat)
             p50, p99 = (1000 * _percentile(lat, q) for q in (0.5, 0.99))
-            results.append(Result(kind, op, len(lat), errors, elapsed, p50, p99))
+            results.append(Result(kind, op, len(lat), errors, elapsed, p50, p99, cpu_ms))
     return results
 
 
@@ -191,12 +197,15 @@ def main() -> None:
         print(json.dumps([{**r.__dict__, "rps": r.rps} for r in rows], indent=2))
         return
     mode = f"open loop at {args.rate:g} req/s" if args.rate else "closed loop"
-    print(f"concurrency {args.concurrency}, {mode}, {args.seconds:g} s per phase")
-    print("| database | request | requests | errors | throughput (req/s) | p50 (ms) | p99 (ms) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"concurrency {args.concurrency}, {mode}, {args.seconds:g} s per phase, "
+          f"{os.cpu_count()} CPUs, load average after the run {load}")  # fmt: skip
+    print("| database | request | requests | errors | throughput (req/s) | p50 (ms) | p99 (ms) "
+          "| server CPU per request (ms) |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.db} | {r.op} | {r.requests} | {r.errors} | {r.rps:.0f} | "
-              f"{r.p50_ms:.1f} | {r.p99_ms:.1f} |")  # fmt: skip
+              f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.server_cpu_ms:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

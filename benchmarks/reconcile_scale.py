@@ -265,12 +265,14 @@ def main() -> int:
                 cold = rec.tick()
                 assert cold.runs == args.runs and not cold.errors, cold.errors
                 steady = []
+                results = []
                 for _ in range(args.ticks):
                     time.sleep(1.0)
                     result = rec.tick()
                     assert result.slurm_up and result.metrics_up and not result.errors
                     assert not result.remedies, result.remedies
                     steady.append(result.duration_s)
+                    results.append(result)
                 samples = source.history.view((run_ids[0], 1), time.time()).samples
                 scrape = _scrape_seconds(url)
         finally:
@@ -278,12 +280,23 @@ def main() -> int:
                 e.close()
         db.dispose()
     med = statistics.median(steady)
+    phases = {
+        k: statistics.median(r.phases.get(k, 0.0) for r in results)
+        for k in ("slurm", "metrics", "runs")
+    }
+    cpu = statistics.median(r.cpu_s for r in results)
+    load = os.getloadavg()[0]
     print(
         f"reconcile tick over {args.runs} active runs: cold {cold.duration_s:.3f} s, "
         f"steady median {med:.3f} s (min {min(steady):.3f}, max {max(steady):.3f}, "
         f"{len(steady)} ticks); {source.queries / (len(steady) + 1):.0f} PromQL queries per tick, "
         f"{cluster.polls} SLURM polls in {len(steady) + 1} ticks; "
         f"window {len(samples)} samples/run; Prometheus scrape of the fleet {scrape}"
+    )
+    print(
+        "  steady phases (median s): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+        + f"; CPU {cpu:.3f} s per tick; machine load average {load:.1f} on {os.cpu_count()} CPUs"
     )
     return 0 if med <= args.target else 1
 

@@ -55,7 +55,7 @@ def check_megatron_version() -> str:
     return version
 
 
-def _stub_triton_kernels() -> None:
+def stub_triton_kernels() -> None:
     """Replace the triton-only MoE kernel module with a stub (dense models never call it)."""
     if _PAGED_STASH_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
         return
@@ -82,7 +82,7 @@ def apply() -> bool:
     import torch
 
     check_megatron_version()
-    _stub_triton_kernels()
+    stub_triton_kernels()
     if torch.cuda.is_available():
         return False
     if not _applied:
@@ -172,7 +172,7 @@ def _make_mode() -> type:
     class CpuDeviceMode(TorchFunctionMode):
         """Maps CUDA device requests to CPU and reports CUDA type names."""
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is tensor_cuda:
                 return args[0]
@@ -189,5 +189,5 @@ def _make_mode() -> type:
     return CpuDeviceMode
 
 
-def _CpuDeviceMode() -> Any:  # noqa: N802 - factory standing in for a class
+def _CpuDeviceMode() -> Any:
     return _make_mode()()

@@ -92,7 +92,9 @@ def prepare(input_jsonl: Path | None, out_dir: Path, vocab_size: int) -> Prepare
     out_dir = Path(out_dir)
     name = "demo" if input_jsonl is None else Path(input_jsonl).stem
     final = out_dir / f"{name}-{_fingerprint(input_jsonl, vocab_size)}"
-    result = PreparedData(prefix=str(final / "text_document"), tokenizer_path=str(final / "tokenizer.json"))
+    result = PreparedData(
+        prefix=str(final / "text_document"), tokenizer_path=str(final / "tokenizer.json")
+    )
     if (final / "manifest.json").exists():
         return result
     with _locked(out_dir / ".prepare.lock"):
@@ -109,7 +111,10 @@ def prepare(input_jsonl: Path | None, out_dir: Path, vocab_size: int) -> Prepare
 
 def _build(docs: list[str], out: Path, vocab_size: int) -> dict[str, int]:
     import numpy as np
-    import torch  # noqa: F401  (the indexed dataset builder imports it anyway)
+
+    from megatron_runs.cpu_compat import stub_triton_kernels
+
+    stub_triton_kernels()  # importing megatron.core needs it where triton is absent
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -8,7 +8,8 @@ format: the default fails, and `dp_reshardable` cannot change TP/PP and resumes 
 from __future__ import annotations
 
 import os
-import time
+import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,28 @@ from megatron.core import dist_checkpointing
 from megatron_runs import checkpointing as ck
 
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+_prewarm: threading.Thread | None = None
+
+
+def prewarm() -> None:
+    """Start dist_checkpointing's result-queue manager in the background.
+
+    The first save spawns a multiprocessing manager (a fresh interpreter) — the ~6 s fixed
+    cost of the first checkpoint. Started at setup, it overlaps model building instead.
+    """
+    global _prewarm
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _prewarm is None:
+        _prewarm = threading.Thread(
+            target=filesystem_async.get_write_results_queue, name="ckpt-prewarm", daemon=True
+        )
+        _prewarm.start()
+
+
+def _await_prewarm() -> None:
+    if _prewarm is not None:
+        _prewarm.join()
 
 
 @dataclass(frozen=True)
@@ -27,16 +50,26 @@ class Loaded:
     path: Path
 
 
+def _unwrap(chunk: object) -> object:
+    """The GPTModel inside DDP / Float16Module: its keys do not depend on the wrapping, so a
+    checkpoint loads whatever the precision or DDP settings of the resuming run."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def _state_dict(model: list, optimizer: object, is_loading: bool) -> dict:
     sd: dict = {}
     if len(model) == 1:
-        sd["model"] = model[0].sharded_state_dict()
+        sd["model"] = _unwrap(model[0]).sharded_state_dict()
     else:
         for i, chunk in enumerate(model):
-            sd[f"model{i}"] = chunk.sharded_state_dict()
+            sd[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
     model_sd = {k: v for k, v in sd.items() if k.startswith("model")}
     merged = model_sd["model"] if len(model) == 1 else model_sd
-    sd["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=_OPT_META)
+    sd["optimizer"] = optimizer.sharded_state_dict(
+        merged, is_loading=is_loading, metadata=_OPT_META
+    )
     return sd
 
 
@@ -55,13 +88,12 @@ def save(
     keep_last: int,
 ) -> Path:
     """Write to `.tmp_iter_*`, verify, rename, update `latest`, apply retention."""
+    _await_prewarm()
     rank = torch.distributed.get_rank()
     tmp = ck.tmp_dir(root, step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
@@ -99,15 +131,58 @@ def choose(root: Path, resume_step: int | None) -> ck.CheckpointInfo | None:
 
 def load(model: list, optimizer: object, info: ck.CheckpointInfo) -> Loaded:
     """Load model and optimizer state in place from a verified checkpoint."""
+    _init_adam_state(optimizer)
     state = dist_checkpointing.load(_state_dict(model, optimizer, is_loading=True), str(info.path))
     if len(model) == 1:
-        model[0].load_state_dict(state["model"])
+        _unwrap(model[0]).load_state_dict(state["model"])
     else:
         for i, chunk in enumerate(model):
-            chunk.load_state_dict(state[f"model{i}"])
+            _unwrap(chunk).load_state_dict(state[f"model{i}"])
+    _skip_step_in_param_state(optimizer)
     optimizer.load_state_dict(state["optimizer"])
     _unshare_adam_steps(optimizer)
     return Loaded(step=info.step, consumed_samples=info.consumed_samples, path=info.path)
+
+
+def _inner_optimizers(optimizer: object) -> list:
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt.optimizer for opt in chained if getattr(opt, "optimizer", None) is not None]
+
+
+def _init_adam_state(optimizer: object) -> None:
+    """Create zero Adam state (moments and `step`) for a fresh optimizer.
+
+    Building the loading state dict reads the current state, and without apex/TE the
+    distributed optimizer requires a `step` in it; a fresh torch Adam has no state at all.
+    """
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if not st:
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+
+
+def _skip_step_in_param_state(optimizer: object) -> None:
+    """Let the fully_reshardable parameter-state load pass over torch Adam's `step`.
+
+    megatron-core 0.19.2 without apex/TE copies every tensor of a parameter's Adam state from
+    the checkpoint, but `step` is stored once in the param groups, not per parameter, so the
+    lookup raises KeyError. Marking it absent (None) makes that copy skip it; the common step
+    was already restored from the param groups.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if setter is None or getattr(setter, "_nightwatch", False):
+            continue
+
+        def tolerant(model_param: object, tensors: dict, _set: object = setter) -> None:
+            _set(model_param, {"step": None, **tensors})
+
+        tolerant._nightwatch = True  # type: ignore[attr-defined]
+        opt._set_main_param_and_optimizer_states = tolerant
 
 
 def _unshare_adam_steps(optimizer: object) -> None:
@@ -117,15 +192,7 @@ def _unshare_adam_steps(optimizer: object) -> None:
     torch Adam increments it once per param per step, so bias correction would go wrong and
     the resumed losses would silently differ from an uninterrupted run.
     """
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    for opt in chained:
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
+    for inner in _inner_optimizers(optimizer):
         for st in inner.state.values():
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].clone()
-
-
-def elapsed(t0: float) -> float:
-    return time.perf_counter() - t0

@@ -43,7 +43,7 @@ class Faults:
         )
 
     def poison_effect(self, sample: int) -> str | None:
-        """"spike" / "nan" when a poisoned window covers this global sample index."""
+        """ "spike" / "nan" when a poisoned window covers this global sample index."""
         for f in self.poison:
             if f.start_sample <= sample < f.end_sample:
                 return f.effect

@@ -43,7 +43,10 @@ from megatron_runs.schedule import flops_per_token, lr_at, peak_flops  # noqa: E
 from megatron_runs.train import TrainContext, TrainResult, nightwatch_home  # noqa: E402
 from supervisor.spec import RunSpec  # noqa: E402
 
-REPLICA_CHECK_EVERY = 10
+
+def _replica_check_every() -> int:
+    """Steps between replica checksums (NIGHTWATCH_REPLICA_CHECK_EVERY; 0 turns them off)."""
+    return int(os.environ.get("NIGHTWATCH_REPLICA_CHECK_EVERY", "10"))
 
 
 class _Log:
@@ -106,19 +109,16 @@ def _data_prefix(spec: RunSpec) -> str:
 
 
 def _build_model(spec: RunSpec, bf16: bool) -> tuple[list, object]:
-    config = transformer_config(
-        spec, torch.bfloat16 if bf16 else torch.float32, use_cpu_init=True
-    )
-    model = build_gpt(
-        spec, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    )
+    config = transformer_config(spec, torch.bfloat16 if bf16 else torch.float32, use_cpu_init=True)
+    model = build_gpt(spec, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     if not CPU:
         model.cuda(torch.cuda.current_device())
     if bf16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        # On GPU, reduce-scatter gradient buckets while the backward pass still runs.
+        overlap_grad_reduce=not CPU and ps.get_data_parallel_world_size() > 1,
         use_distributed_optimizer=spec.parallelism.distributed_optimizer,
         check_for_nan_in_grad=False,
     )
@@ -152,7 +152,7 @@ def _set_lr(optimizer: object, lr: float) -> None:
         group["lr"] = lr * group.get("lr_mult", 1.0)
 
 
-def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:  # noqa: C901 - one readable loop
+def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     rank, world, local_rank, device = _init_distributed()
     p = spec.parallelism
     if p.virtual_pipeline:
@@ -160,6 +160,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:  # noqa: C901 - one re
     if world != p.world_size:
         raise ValueError(f"WORLD_SIZE {world} != tensor×pipeline×data {p.world_size}")
     ps.initialize_model_parallel(p.tensor, p.pipeline)
+    dist_ckpt.prewarm()
     log = _Log(ctx, rank)
     t = spec.training
     torch.manual_seed(t.seed)
@@ -206,6 +207,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:  # noqa: C901 - one re
     peak = peak_flops(device) * world
     flops_step = flops_per_token(spec) * tokens_per_step
     losses: list[float] = []
+    check_every = _replica_check_every()
     last_loss = math.nan
     exit_code = exitcodes.OK
     target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
@@ -282,7 +284,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:  # noqa: C901 - one re
                 step_time=round(wall, 4),
                 consumed=cursor,
             )
-        if step % REPLICA_CHECK_EVERY == 0:
+        if check_every and step % check_every == 0:
             mismatch = replicas.check(model, device)
             if metrics is not None:
                 metrics.on_replica_check(mismatch)
@@ -290,7 +292,9 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:  # noqa: C901 - one re
                 log("replica_mismatch", step=step)
         final = step >= target or stop_requested
         if step % spec.checkpoint.interval_steps == 0 or final:
-            _checkpoint(spec, model, optimizer, root, step, cursor, loss, layout, metrics, faults, log)
+            _checkpoint(
+                spec, model, optimizer, root, step, cursor, loss, layout, metrics, faults, log
+            )
         if stop_requested:
             log("stopping_on_signal", step=step, signal=int(stats[2]))
             exit_code = exitcodes.REQUEUE
@@ -299,9 +303,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:  # noqa: C901 - one re
     if metrics is not None:
         metrics.set_up(False)
     log("train_end", step=step, loss=last_loss, exit_code=exit_code)
-    return TrainResult(
-        exit_code=exit_code, final_step=step, consumed_samples=cursor, losses=losses
-    )
+    return TrainResult(exit_code=exit_code, final_step=step, consumed_samples=cursor, losses=losses)
 
 
 def _forward_step(data_iterator: object, model: object) -> tuple[torch.Tensor, Callable]:

@@ -75,7 +75,9 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
-def transformer_config(spec: RunSpec, params_dtype: torch.dtype, use_cpu_init: bool) -> TransformerConfig:
+def transformer_config(
+    spec: RunSpec, params_dtype: torch.dtype, use_cpu_init: bool
+) -> TransformerConfig:
     """TransformerConfig with the layout sizes set (without them every PP stage builds all
     layers, training works and only the checkpoint save fails on duplicate keys)."""
     m, p = spec.model, spec.parallelism

@@ -22,10 +22,8 @@ def lr_at(step: int, t: TrainingSpec) -> float:
         return t.lr
     span = max(1, t.train_steps - t.lr_warmup_steps)
     frac = min(1.0, max(0.0, (step - t.lr_warmup_steps) / span))
-    if t.lr_decay_style == "linear":
-        coeff = 1.0 - frac
-    else:
-        coeff = 0.5 * (1.0 + math.cos(math.pi * frac))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * frac))
+    coeff = 1.0 - frac if t.lr_decay_style == "linear" else cosine
     return t.min_lr + (t.lr - t.min_lr) * coeff
 
 

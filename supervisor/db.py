@@ -8,6 +8,8 @@ never queue behind writers.
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,21 @@ from sqlalchemy.orm import Session, sessionmaker
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 _WRITE_OPTION = "nightwatch_write"
+
+
+def _sanitize(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf", "-inf": PostgreSQL's json type rejects NaN tokens
+    if isinstance(value, dict):
+        return {str(k): _sanitize(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_sanitize(v) for v in value]
+    return value
+
+
+def json_dumps(value: Any) -> str:
+    """JSON for the *_json columns: evidence often holds NaN/Inf losses, datetimes, paths."""
+    return json.dumps(_sanitize(value), default=str, allow_nan=False)
 
 
 def make_engine(url: str) -> Engine:
@@ -31,10 +48,13 @@ def make_engine(url: str) -> Engine:
             connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
             pool_size=16,
             max_overflow=32,
+            json_serializer=json_dumps,
         )
         _configure_sqlite(engine)
         return engine
-    return create_engine(url, pool_size=10, max_overflow=30, pool_pre_ping=True)
+    return create_engine(
+        url, pool_size=10, max_overflow=30, pool_pre_ping=True, json_serializer=json_dumps
+    )
 
 
 def _configure_sqlite(engine: Engine) -> None:

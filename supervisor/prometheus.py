@@ -15,6 +15,7 @@ Failures make a view DOWN, old data makes it STALE, no data makes it MISSING: ne
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -144,6 +145,10 @@ class SampleHistory:
             return MetricsView(SourceHealth.STALE, samples, f"newest sample {age:.1f} s old")
         return MetricsView(health=SourceHealth.UP, samples=samples)
 
+    def newest(self) -> dict[RunKey, float]:
+        """Time of the newest sample held per key (what a source need not rebuild)."""
+        return {k: buf[-1].t for k, buf in self._samples.items() if buf}
+
     def forget_except(self, keys: Iterable[RunKey]) -> None:
         keep = set(keys)
         for key in [k for k in self._samples if k not in keep]:
@@ -180,46 +185,61 @@ def parse_matrix(payload: Mapping[str, Any]) -> list[Series]:
 
 
 def assemble(
-    per_metric: Mapping[str, Sequence[Series]], keys: Iterable[RunKey]
+    per_metric: Mapping[str, Sequence[Series]],
+    keys: Iterable[RunKey],
+    after: Mapping[RunKey, float] | None = None,
 ) -> dict[RunKey, list[MetricSample]]:
-    """Join per-metric series into per-run samples (pure).
+    """Join per-metric series into per-run samples newer than `after[key]` (pure).
 
     Samples of one scrape share its timestamp, so run-level values are joined on the primary
     node's scrape times; each node's step time is its newest value at or before that time.
     """
     wanted = set(keys)
+    after = after or {}
     # key → node → time → {name: value}
     by_key: dict[RunKey, dict[str, dict[float, dict[str, float]]]] = {}
     for name, series in per_metric.items():
         for s in series:
+            labels = s.labels
             try:
-                key = (s.labels["run_id"], int(s.labels["attempt"]))
+                key = (labels["run_id"], int(labels["attempt"]))
             except (KeyError, ValueError):
                 continue
             if key not in wanted:
                 continue
-            node = s.labels.get("node", "")
-            times = by_key.setdefault(key, {}).setdefault(node, {})
+            since = after.get(key, -math.inf)
+            times = by_key.setdefault(key, {}).setdefault(labels.get("node", ""), {})
             for t, v in s.points:
-                times.setdefault(t, {})[name] = v
+                if t > since or name == STEP_TIME:
+                    point = times.get(t)
+                    if point is None:
+                        times[t] = {name: v}
+                    else:
+                        point[name] = v
     out: dict[RunKey, list[MetricSample]] = {}
     for key, nodes in by_key.items():
         primary = next(
             (n for n in sorted(nodes) if any(PRIMARY_MARKER in v for v in nodes[n].values())),
-            min(nodes),
+            None,
         )
+        if primary is None:
+            continue
         step_times = {
             n: sorted((t, v[STEP_TIME]) for t, v in times.items() if STEP_TIME in v)
             for n, times in nodes.items()
         }
+        since = after.get(key, -math.inf)
         samples = []
         for t in sorted(nodes[primary]):
+            values = nodes[primary][t]
+            if t <= since or PRIMARY_MARKER not in values:
+                continue
             per_node = {}
             for n, pts in step_times.items():
-                older = [v for pt, v in pts if pt <= t]
-                if older:
-                    per_node[n] = older[-1]
-            samples.append(build_sample(t, nodes[primary][t], per_node))
+                i = bisect.bisect_right(pts, (t, math.inf))
+                if i:
+                    per_node[n] = pts[i - 1][1]
+            samples.append(build_sample(t, values, per_node))
         out[key] = samples
     return out
 
@@ -286,7 +306,8 @@ class PrometheusSource:
             return {k: self.history.view(k, now, SourceHealth.DOWN) for k in keys}
         self.last_error = None
         self._last_query_t = now
-        for key, samples in assemble(dict(zip(names, results, strict=True)), keys).items():
+        per_metric = dict(zip(names, results, strict=True))
+        for key, samples in assemble(per_metric, keys, self.history.newest()).items():
             for s in samples:
                 self.history.add(key, s)
         self.history.forget_except(keys)

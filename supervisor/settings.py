@@ -33,6 +33,9 @@ class Settings(BaseModel):
     webhook_url: str | None = None
     tick_seconds: float = Field(default=5.0, gt=0)
     executor: Executor = "auto"
+    token_cache_seconds: float = Field(
+        default=10.0, ge=0, description="How long a resolved token is trusted (revocation lag)."
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=8787, ge=0, le=65535)
 
@@ -57,6 +60,7 @@ class Settings(BaseModel):
             "executor": "NIGHTWATCH_EXECUTOR",
             "host": "NIGHTWATCH_HOST",
             "port": "NIGHTWATCH_PORT",
+            "token_cache_seconds": "NIGHTWATCH_TOKEN_CACHE_SECONDS",
         }
         values = {field: env[var] for field, var in names.items() if env.get(var)}
         return cls.model_validate(values)

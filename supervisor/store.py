@@ -113,15 +113,11 @@ def create_run(
     """Persist a new pending run; returns (run, created).
 
     With an idempotency key, a retry of the same request returns the first run (created False)
-    and the same key with another spec raises IdempotencyConflict. Concurrent retries race on
-    the unique index; the losers roll back and read the winner.
+    and the same key with another spec raises IdempotencyConflict. The insert goes first and
+    the unique index decides (one transaction for a new key, and no check-then-insert race):
+    a retry, concurrent or not, rolls back and reads the winner.
     """
     digest = spec_hash(spec)
-    if idempotency_key is not None:
-        existing = _run_by_key(session, idempotency_key)
-        session.commit()  # end the read now: on SQLite a write session holds the write lock
-        if existing is not None:
-            return _replay(existing, digest), False
     run = Run(
         id=f"r-{secrets.token_hex(6)}",
         name=spec.name,
@@ -144,7 +140,7 @@ def create_run(
     except IntegrityError:
         session.rollback()
         existing = _run_by_key(session, idempotency_key) if idempotency_key else None
-        session.commit()
+        session.commit()  # end the read: on SQLite a write session holds the write lock
         if existing is None:
             raise
         return _replay(existing, digest), False

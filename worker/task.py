@@ -115,6 +115,9 @@ class TrainingTask:
         finally:
             if registrar:
                 registrar.stop()
+            # A walltime/preemption warning after training ended is moot; SIG_IGN (unlike a
+            # Python handler) survives interpreter shutdown, so it cannot kill a finished task.
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         code = int(getattr(result, "exit_code", 0) or 0)
         log.info("task end exit_code=%d", code, extra=context)
         if code:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from supervisor.api import errors
+from supervisor.api.principals import PrincipalCache
 from supervisor.api.routes import health, report, runs, specs, workers
 from supervisor.db import Database
 from supervisor.metrics import SupervisorMetrics
@@ -48,34 +50,57 @@ def create_app(
     app.state.db = db
     app.state.registry = registry or CollectorRegistry()
     app.state.metrics = SupervisorMetrics(app.state.registry)
+    app.state.principals = PrincipalCache(settings.token_cache_seconds)
     errors.install(app)
     for module in (runs, specs, workers, health, report):
         app.include_router(module.router)
-    app.middleware("http")(_observe)
+    app.add_middleware(RequestObserver)
     return app
 
 
-async def _observe(
-    request: Request, call_next: Callable[[Request], Awaitable[Response]]
-) -> Response:
-    """Access log + request metrics, by route template (never headers, so never tokens)."""
-    start = time.perf_counter()
-    response = await call_next(request)
-    elapsed = time.perf_counter() - start
-    route = request.scope.get("route")
-    template = getattr(route, "path", "unmatched")
-    metrics: SupervisorMetrics = request.app.state.metrics
-    metrics.http_requests.labels(request.method, template, str(response.status_code)).inc()
-    metrics.http_duration.labels(request.method, template).observe(elapsed)
-    run_id = request.path_params.get("run_id") if route is not None else None
-    log.info(
-        "request",
-        extra={
-            "method": request.method,
-            "path": template,
-            "status": response.status_code,
-            "duration_ms": round(elapsed * 1000, 2),
-            "run_id": run_id,
-        },
-    )
-    return response
+class RequestObserver:
+    """Access log + request metrics by route template (never headers, so never tokens).
+
+    Plain ASGI rather than `@app.middleware("http")`, which costs a task and a stream per
+    request.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self._record(scope, status, time.perf_counter() - start)
+
+    @staticmethod
+    def _record(scope: Scope, status: int, elapsed: float) -> None:
+        route = scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        metrics: SupervisorMetrics = scope["app"].state.metrics
+        metrics.http_requests.labels(scope["method"], template, str(status)).inc()
+        metrics.http_duration.labels(scope["method"], template).observe(elapsed)
+        run_id = scope.get("path_params", {}).get("run_id") if route is not None else None
+        log.info(
+            "request",
+            extra={
+                "method": scope["method"],
+                "path": template,
+                "status": status,
+                "duration_ms": round(elapsed * 1000, 2),
+                "run_id": run_id,
+            },
+        )

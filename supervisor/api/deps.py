@@ -1,21 +1,25 @@
-"""Typed dependencies: database sessions and bearer-token auth with scopes."""
+"""Typed dependencies: database sessions and bearer-token auth with scopes.
+
+Dependencies that do no I/O are async: FastAPI runs every sync dependency in the threadpool,
+and each hop costs more than the work on a busy 2-core machine.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
-from supervisor import store
+from supervisor.api.principals import Principal, PrincipalCache, resolve
 from supervisor.auth import Scope, allows
 from supervisor.db import Database
-from supervisor.models import Token
 
 
-def get_database(request: Request) -> Database:
+async def get_database(request: Request) -> Database:
     return request.app.state.db
 
 
@@ -49,31 +53,41 @@ _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer nw_�
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
-def _authenticate(
+async def _authenticate(
+    request: Request,
     db: DatabaseDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Token:
-    """Look the token up in its own short session: holding a second pooled connection per
-    request while the route waits for the first would let concurrent requests deadlock."""
+) -> Principal:
+    """Resolve the bearer token (cached; on a miss, looked up in its own short session in the
+    threadpool, never holding a second pooled connection while the route waits for one)."""
     if credentials is None or credentials.scheme.lower() != "bearer":
         raise HTTPException(401, "missing bearer token", headers=_CHALLENGE)
+    secret = credentials.credentials
+    cache: PrincipalCache = request.app.state.principals
+    principal = cache.get(secret)
+    if principal is None:
+        principal = await run_in_threadpool(_lookup, db, secret)
+        if principal is None:
+            raise HTTPException(401, "unknown or revoked token", headers=_CHALLENGE)
+        cache.put(secret, principal)
+    return principal
+
+
+def _lookup(db: Database, secret: str) -> Principal | None:
     with db.session() as session:
-        token = store.token_for_secret(session, credentials.credentials)
-    if token is None:
-        raise HTTPException(401, "unknown or revoked token", headers=_CHALLENGE)
-    return token
+        return resolve(session, secret)
 
 
-def require(scope: Scope) -> Callable[..., Token]:
-    """Dependency: the caller's token, which must grant `scope` (admin ⊇ submit ⊇ read)."""
+def require(scope: Scope) -> Callable[..., Awaitable[Principal]]:
+    """Dependency: the caller, whose token must grant `scope` (admin ⊇ submit ⊇ read)."""
 
-    def check(token: Annotated[Token, Depends(_authenticate)]) -> Token:
-        if not allows(token.scopes, scope):
-            raise HTTPException(403, f"token {token.name!r} lacks scope {scope.value!r}")
-        return token
+    async def check(principal: Annotated[Principal, Depends(_authenticate)]) -> Principal:
+        if not allows(principal.scopes, scope):
+            raise HTTPException(403, f"token {principal.name!r} lacks scope {scope.value!r}")
+        return principal
 
     return check
 
 
-ReadToken = Annotated[Token, Depends(require(Scope.READ))]
-SubmitToken = Annotated[Token, Depends(require(Scope.SUBMIT))]
+ReadToken = Annotated[Principal, Depends(require(Scope.READ))]
+SubmitToken = Annotated[Principal, Depends(require(Scope.SUBMIT))]

@@ -32,8 +32,11 @@ def _upgraded_database() -> Database:
 def serve(
     host: Annotated[str | None, typer.Option(help="Default $NIGHTWATCH_HOST or 127.0.0.1")] = None,
     port: Annotated[int | None, typer.Option(help="Default $NIGHTWATCH_PORT or 8787")] = None,
+    reconciler: Annotated[
+        bool, typer.Option(help="Run the watchdog's reconcile loop in this process.")
+    ] = True,
 ) -> None:
-    """Apply migrations and run the API server."""
+    """Apply migrations and run the API server (and the reconciler)."""
     import uvicorn
 
     from supervisor.api.app import create_app
@@ -43,7 +46,19 @@ def serve(
     db = _upgraded_database()
     settings = local_settings()
     app_ = create_app(settings, database=db)
-    uvicorn.run(app_, host=host or settings.host, port=port or settings.port, access_log=False)
+    loop = None
+    if reconciler:
+        from supervisor.watchdog.reconciler import build_reconciler
+
+        loop = build_reconciler(
+            settings, db, registry=app_.state.registry, supervisor_metrics=app_.state.metrics
+        )
+        loop.start()
+    try:
+        uvicorn.run(app_, host=host or settings.host, port=port or settings.port, access_log=False)
+    finally:
+        if loop is not None:
+            loop.stop()
 
 
 @db_app.command("upgrade")

@@ -330,8 +330,9 @@ class Actuator:
             excluded = {*run.excluded_nodes_json, *remedy.exclude_nodes}
             updates["excluded_nodes_json"] = sorted(excluded)
             self._exclude_nodes(run, remedy, ctx)
-        resume = remedy.to_step if remedy.kind is RemedyKind.ROLLBACK else None
-        if resume is not None:
+        # Rollbacks name their checkpoint; others may too (after a rollback, see policy).
+        resume = remedy.to_step
+        if remedy.kind is RemedyKind.ROLLBACK and resume is not None:
             updates["resume_step"] = resume
         if updates:
             with self.db.write_session() as s:

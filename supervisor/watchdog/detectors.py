@@ -70,8 +70,14 @@ def _window(a: MetricSample | None, b: MetricSample) -> tuple[int, int] | None:
 
 
 def _onset_fields(healthy: MetricSample | None, first_bad: MetricSample) -> dict[str, object]:
+    """Onset bounds. The fault time is the earliest the fault can have happened (the end of
+    the last step seen healthy), so measured detection latency and MTTR never flatter us."""
+    if healthy is None:
+        fault_time = first_bad.t
+    else:
+        fault_time = healthy.last_step_ts if healthy.last_step_ts else healthy.t
     return {
-        "fault_time": healthy.t if healthy is not None else first_bad.t,
+        "fault_time": fault_time,
         "last_healthy_step": healthy.step if healthy is not None else None,
         "first_bad_step": first_bad.step,
         "sample_window": _window(healthy, first_bad),

@@ -20,6 +20,7 @@ from supervisor.spec import RecoverySpec
 from supervisor.watchdog.snapshot import (
     NUMERIC_FAULTS,
     Cause,
+    CheckpointRef,
     Finding,
     FindingKind,
     PastRemedy,
@@ -108,6 +109,15 @@ def _exclude(
 ) -> Remedy:
     if not nodes:
         return _escalate(f"{why}; no node left to suspect", finding, Cause.CODE)
+    if history.usable_nodes is not None:
+        spare = history.usable_nodes - history.excluded_nodes - set(nodes)
+        if len(spare) < history.nodes_needed:
+            return _escalate(
+                f"{why}; no spare node to replace {', '.join(nodes)} "
+                f"({len(spare)} usable, {history.nodes_needed} needed)",
+                finding,
+                Cause.NODE,
+            )
     if len(history.excluded_nodes) + len(nodes) > rc.max_excluded_nodes:
         return _escalate(
             f"{why}; exclusion budget spent ({len(history.excluded_nodes)} of "
@@ -135,6 +145,22 @@ def _node_ladder(
     return _exclude(suspects[:1], finding, history, rc, why)
 
 
+def trusted_checkpoints(
+    checkpoints: Sequence[CheckpointRef], rollbacks: Sequence[tuple[int, float | None]]
+) -> list[CheckpointRef]:
+    """Checkpoints a resume may use after rollbacks `(to_step, started_at of the attempt that
+    resumed from it)`: one past `to_step` saved before that attempt started holds the state
+    the rollback threw away (e.g. saved by the old job on its way out) and must not return."""
+    return [
+        c
+        for c in checkpoints
+        if not any(
+            c.step > to_step and (started is None or c.saved_at < started)
+            for to_step, started in rollbacks
+        )
+    ]
+
+
 def rollback_target(finding: Finding, history: RunHistory) -> int:
     """Newest checkpoint at or before the last healthy step (0 = start from scratch)."""
     if finding.last_healthy_step is not None:
@@ -148,12 +174,17 @@ def rollback_target(finding: Finding, history: RunHistory) -> int:
 
 
 def _rollback(
-    finding: Finding, history: RunHistory, rc: RecoverySpec, global_batch: int, why: str
+    finding: Finding,
+    history: RunHistory,
+    rc: RecoverySpec,
+    global_batch: int,
+    why: str,
+    min_skip: int = 0,
 ) -> Remedy:
     skips: tuple[tuple[int, int], ...] = ()
     if finding.sample_window is not None:
         lo, hi = finding.sample_window
-        skips = ((lo, hi + rc.rollback_skip_steps * global_batch),)
+        skips = ((lo, max(hi + rc.rollback_skip_steps * global_batch, lo + min_skip)),)
     to_step = rollback_target(finding, history)
     return Remedy(
         RemedyKind.ROLLBACK,
@@ -193,8 +224,15 @@ def _numeric(
     if last.kind is RemedyKind.ROLLBACK:
         if _adjoins_skips(finding, rollbacks, global_batch):
             if trailing < rc.max_rollbacks_per_incident:
+                # The bad window is longer than the skip: skip at least twice as much again.
+                last_len = max((hi - lo for lo, hi in last.skip_ranges), default=0)
                 return _rollback(
-                    finding, history, rc, global_batch, "bad data continues past the skip"
+                    finding,
+                    history,
+                    rc,
+                    global_batch,
+                    "bad data continues past the skip",
+                    min_skip=2 * last_len,
                 )
             why = f"{trailing} rollbacks did not cure {finding.kind.value}: suspect a node"
         else:

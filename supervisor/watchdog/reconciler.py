@@ -10,6 +10,7 @@ intent survived a crash is resumed before anything new is decided for that run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -58,7 +59,7 @@ from supervisor.watchdog.actions import (
 )
 from supervisor.watchdog.detectors import EXIT_INJECTED_CRASH, EXIT_REQUEUE, detect_all
 from supervisor.watchdog.notify import Notifier
-from supervisor.watchdog.policy import decide
+from supervisor.watchdog.policy import decide, trusted_checkpoints
 from supervisor.watchdog.snapshot import (
     Cause,
     CheckpointRef,
@@ -139,6 +140,8 @@ class TickResult:
     remedies: dict[str, Remedy] = field(default_factory=dict)
     submitted: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the tick
+    cpu_s: float = 0.0  # CPU time of this process during the tick (robust on a busy machine)
 
 
 def job_view(
@@ -205,6 +208,8 @@ def history_from_rows(
     strikes: dict[str, int],
     checkpoints: Sequence[CheckpointRef],
     attempt_nodes: Sequence[str],
+    usable_nodes: Iterable[str] | None = None,
+    nodes_needed: int = 1,
 ) -> RunHistory:
     """The policy's view of the past, rebuilt from the actions' recorded evidence (pure)."""
     remedies = []
@@ -233,6 +238,8 @@ def history_from_rows(
         node_strikes=dict(strikes),
         checkpoints=tuple(checkpoints),
         attempt_nodes=tuple(attempt_nodes),
+        usable_nodes=frozenset(usable_nodes) if usable_nodes is not None else None,
+        nodes_needed=nodes_needed,
     )
 
 
@@ -309,6 +316,7 @@ class Reconciler:
 
     def tick(self) -> TickResult:
         started = time.perf_counter()
+        cpu_started = time.process_time()
         now = self.clock()
         with self.db.write_session() as s:
             leader = store.acquire_lease(
@@ -335,20 +343,25 @@ class Reconciler:
                     result.errors[run.id] = f"{type(exc).__name__}: {exc}"
         job_ids = [a.job_id for a in attempts.values() if a.job_id]
         try:
+            mark = time.perf_counter()
             statuses = self.cluster.poll(job_ids)
+            result.phases["slurm"] = time.perf_counter() - mark
         except SourceUnavailable as exc:
             log.warning(f"SLURM poll failed: {exc}")
             statuses, result.slurm_up = {}, False
         active = [r for r in watched if r.state is not RunState.NEEDS_ATTENTION]
         keys = [(r.id, r.current_attempt) for r in active]
         try:
+            mark = time.perf_counter()
             views = self.source.collect(keys, now)
+            result.phases["metrics"] = time.perf_counter() - mark
         except Exception as exc:  # a source bug must read as "down", never as "healthy"
             log.warning(f"metrics source failed: {exc}")
             views = {k: MetricsView(SourceHealth.DOWN, error=str(exc)) for k in keys}
         result.metrics_up = not keys or any(
             v.health is not SourceHealth.DOWN for v in views.values()
         )
+        mark = time.perf_counter()
         for run in watched:
             attempt = attempts.get(run.id)
             try:
@@ -366,7 +379,9 @@ class Reconciler:
                 log.exception("reconcile failed", extra={"run_id": run.id})
                 result.errors[run.id] = f"{type(exc).__name__}: {exc}"
         result.runs = len(watched)
+        result.phases["runs"] = time.perf_counter() - mark
         result.duration_s = time.perf_counter() - started
+        result.cpu_s = time.process_time() - cpu_started
         self._export(result, now)
         return result
 
@@ -513,6 +528,8 @@ class Reconciler:
         if run.state is RunState.NEEDS_ATTENTION or attempt is None:
             return
         checkpoints = self._checkpoints(run, spec)
+        if run.resume_step is not None:  # rolled back once: later checkpoints may be tainted
+            checkpoints = trusted_checkpoints(checkpoints, self._rollbacks(run.id))
         disk_step = checkpoints[-1].step if checkpoints else None
         if unfinished is not None:
             if not result.slurm_up:
@@ -555,10 +572,12 @@ class Reconciler:
         if not findings:
             return
         result.findings[run.id] = findings
-        history = self._history(run, job, checkpoints)
+        history = self._history(run, job, checkpoints, spec.resources.nodes)
         remedy = decide(snap, findings, history, spec.recovery)
         if remedy.kind is RemedyKind.NONE:
             return
+        if run.resume_step is not None and remedy.kind.resubmits and remedy.to_step is None:
+            remedy = dataclasses.replace(remedy, to_step=disk_step or 0)
         result.remedies[run.id] = remedy
         step = view.latest.step if view.latest is not None else disk_step
         incident_id = None
@@ -684,18 +703,24 @@ class Reconciler:
             "step": step,
             "resume_from": resume_from,
             "remedy_attempt": attempt.number,
+            "remedies": [remedy.kind.value],
             **{k: v for k, v in finding.evidence.items() if _jsonable(v)},
         }
         fault_ts = finding.fault_time if finding.fault_time is not None else now
         if incidents:
+            # One fault, several remedies: keep the original onset, record the latest remedy.
             incident = incidents[-1]
+            old = incident.evidence_json or {}
+            merged = {**evidence, **{k: v for k, v in old.items() if v is not None}}
+            merged.update(
+                resume_from=resume_from,
+                remedy_attempt=attempt.number,
+                step=max((x for x in (old.get("step"), step) if x is not None), default=None),
+                remedies=[*old.get("remedies", []), remedy.kind.value],
+            )
             with self.db.write_session() as s:
                 store.update_incident(
-                    s,
-                    incident.id,
-                    remedy=remedy.kind.value,
-                    state=state,
-                    evidence_json={**(incident.evidence_json or {}), **evidence},
+                    s, incident.id, remedy=remedy.kind.value, state=state, evidence_json=merged
                 )
             return incident.id
         with self.db.write_session() as s:
@@ -773,19 +798,51 @@ class Reconciler:
                     recovered_ts=incident.recovered_ts or datetime.fromtimestamp(now, UTC),
                 )
 
-    def _history(self, run: Run, job: JobView, checkpoints: list[CheckpointRef]) -> RunHistory:
+    def _history(
+        self, run: Run, job: JobView, checkpoints: list[CheckpointRef], nodes_needed: int
+    ) -> RunHistory:
         with self.db.session() as s:
             actions = s.scalars(
                 select(Action).where(Action.run_id == run.id).order_by(Action.id)
             ).all()
             strikes = {n.name: n.strikes for n in s.scalars(select(Node)).all()}
+        try:  # spare capacity, asked only when a remedy is being chosen
+            usable: list[str] | None = [
+                n.name
+                for n in self.cluster.nodes().values()
+                if not n.down and "drain" not in n.state and "drng" not in n.state
+            ]
+        except SourceUnavailable:
+            usable = None
         return history_from_rows(
             actions,
             excluded=run.excluded_nodes_json or (),
             strikes=strikes,
             checkpoints=checkpoints,
             attempt_nodes=job.nodes,
+            usable_nodes=usable,
+            nodes_needed=nodes_needed,
         )
+
+    def _rollbacks(self, run_id: str) -> list[tuple[int, float | None]]:
+        """(to_step, first start of any later attempt) of the run's rollbacks."""
+        with self.db.session() as s:
+            actions = s.scalars(
+                select(Action).where(
+                    Action.run_id == run_id,
+                    Action.kind == ActionKind.ROLLBACK.value,
+                    Action.state == ActionState.DONE,
+                )
+            ).all()
+            started = {a.number: a.started_at for a in store.get_attempts(s, run_id)}
+        out = []
+        for a in actions:
+            to_step = (a.evidence_json or {}).get("to_step")
+            if to_step is None:
+                continue
+            later = [t for n, t in started.items() if n > (a.attempt or 0) and t is not None]
+            out.append((int(to_step), min(later).timestamp() if later else None))
+        return out
 
     def _export_run(self, run: Run, checkpoints: list[CheckpointRef], now: float) -> None:
         if checkpoints:

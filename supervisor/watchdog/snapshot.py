@@ -243,4 +243,5 @@ class RunHistory:
     node_strikes: Mapping[str, int] = field(default_factory=dict)
     checkpoints: tuple[CheckpointRef, ...] = ()
     attempt_nodes: tuple[str, ...] = ()
-    open_incident_id: int | None = None
+    usable_nodes: frozenset[str] | None = None  # up, not drained (None: SLURM did not say)
+    nodes_needed: int = 1

@@ -3,6 +3,8 @@ spec validation, worker registration, health and metrics."""
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -48,15 +50,32 @@ def test_revoked_token_is_rejected(client: TestClient, database: Database) -> No
 
 
 def test_tokens_are_stored_hashed_and_never_logged(
-    client: TestClient, tokens: Tokens, database: Database, caplog: pytest.LogCaptureFixture
+    client: TestClient, tokens: Tokens, database: Database
 ) -> None:
-    with caplog.at_level(logging.DEBUG):
+    from supervisor.logs import JsonFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("nightwatch")  # attach here: configure_logging stops propagation
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
         submit(client, tokens)
         client.get("/v1/runs", headers=tokens.headers("read"))
         client.get("/v1/runs", headers={"Authorization": "Bearer nw_wrong-secret"})
-    assert any(r.name == "nightwatch.api" for r in caplog.records)  # the access log did run
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(x["path"], x["status"]) for x in lines] == [
+        ("/v1/runs", 201),
+        ("/v1/runs", 200),
+        ("/v1/runs", 401),
+    ]  # the access log did run
     for secret in (tokens.read, tokens.submit, "nw_wrong-secret"):
-        assert secret not in caplog.text
+        assert secret not in stream.getvalue()
     with database.engine.connect() as conn:
         dump = "\n".join(str(row) for row in conn.exec_driver_sql("SELECT * FROM tokens"))
     assert tokens.submit not in dump and tokens.submit.removeprefix("nw_") not in dump
@@ -248,3 +267,29 @@ def test_openapi_has_examples_and_security(client: TestClient) -> None:
     assert examples["tiny"]["value"]["name"] == "tiny-cpu"
     assert {"201", "200", "401", "403", "409", "422"} <= set(post["responses"])
     assert "HTTPBearer" in schema["components"]["securitySchemes"]
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+def test_revocation_applies_after_the_token_cache_ttl(database: Database, tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from supervisor.api.app import create_app
+    from supervisor.settings import Settings
+
+    with database.write_session() as s:
+        token, secret = store.create_token(s, "ci", [Scope.READ])
+    headers = {"Authorization": f"Bearer {secret}"}
+    for ttl, after_revoke in ((60.0, 200), (0.0, 401)):
+        app = create_app(
+            Settings(home=tmp_path, token_cache_seconds=ttl),
+            database=database,
+            registry=CollectorRegistry(),
+        )
+        with TestClient(app) as c:
+            assert c.get("/v1/runs", headers=headers).status_code == 200
+            with database.write_session() as s:
+                store.revoke_token(s, token.id)
+            assert c.get("/v1/runs", headers=headers).status_code == after_revoke
+        with database.write_session() as s:  # un-revoke for the next round
+            s.get(type(token), token.id).revoked = False
+            s.commit()

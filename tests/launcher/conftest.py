@@ -103,7 +103,7 @@ def _toy_plan(tmp_path: Path, spec: RunSpec, attempt: int = 1, **kw: object) -> 
         checkpoint_dir=tmp_path / "ckpt",
         log_dir=tmp_path / "logs",
         entry="tests.launcher.toy_train",
-        env={"PYTHONPATH": str(REPO), "TOY_STEP_SECONDS": "0.3"},
+        env={"PYTHONPATH": str(REPO), "TOY_STEP_SECONDS": "0.2"},
         **kw,
     )
 

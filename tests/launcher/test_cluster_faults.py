@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import replace
 
 import pytest
@@ -26,7 +27,7 @@ def start_steps(logs: str) -> set[int]:
 def test_node_failure_reports_node_and_resubmission_lands_on_spare(
     slurm, cluster_dir, tmp_path, toy_spec, toy_plan
 ):
-    spec = toy_spec("nodefail", steps=30, interval=3)
+    spec = toy_spec("nodefail", steps=24, interval=3)
     plan = toy_plan(tmp_path, spec)
     ckpt = plan.checkpoint_dir
     sub = launcher.submit(slurm, plan)
@@ -37,12 +38,14 @@ def test_node_failure_reports_node_and_resubmission_lands_on_spare(
     victim = running.nodes[1]
     spare = (NODES - set(running.nodes)).pop()
     assert devcluster("kill-node", victim, cluster_dir=cluster_dir).returncode == 0
+    killed_at = time.monotonic()
     try:
         failed = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=60)
+        print(f"kill-node → NODE_FAIL polled: {time.monotonic() - killed_at:.1f}s")
         assert failed.state is JobState.NODE_FAIL, failed
         assert failed.failed_nodes == (victim,)
         assert launcher.attempt_state(failed) == "node_fail"
-        assert launcher.continuation(failed, latest(ckpt), 30).next is launcher.Next.NOT_MINE
+        assert launcher.continuation(failed, latest(ckpt), 24).next is launcher.Next.NOT_MINE
         resume_from = latest(ckpt)
         assert resume_from >= 3
         retry = replace(plan, attempt=2, exclude=(victim,))
@@ -53,7 +56,7 @@ def test_node_failure_reports_node_and_resubmission_lands_on_spare(
         assert done.state is JobState.COMPLETED, logs
         assert victim not in done.nodes and spare in done.nodes
         assert start_steps(logs) == {resume_from}
-        assert latest(ckpt) == 30
+        assert latest(ckpt) == 24
     finally:
         revived = devcluster("revive-node", victim, cluster_dir=cluster_dir)
         assert revived.returncode == 0, revived.stderr
@@ -72,7 +75,9 @@ def test_preemption_signal_checkpoints_next_step_and_resumes(slurm, tmp_path, to
         wait_until("step 5", lambda: (scrape_step(host, port) or 0) >= 5, 60)
         step_at_signal = int(scrape_step(host, port) or 0)
         slurm.signal(sub.job_id, "USR2")
+        signalled_at = time.monotonic()
         stopped = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=60)
+        print(f"USR2 → job ended with 75: {time.monotonic() - signalled_at:.1f}s")
     assert stopped.state is JobState.FAILED and stopped.exit_code == 75, stopped
     assert launcher.attempt_state(stopped) == "preempted"
     saved = latest(plan.checkpoint_dir)
@@ -97,6 +102,11 @@ def test_scontrol_requeue_restarts_the_same_job_from_its_checkpoint(
     sub = launcher.submit(slurm, plan)
     wait_until("a checkpoint", lambda: latest(plan.checkpoint_dir) >= 4, 60)
     slurm.requeue(sub.job_id)
+    requeued_at = time.monotonic()
+    wait_until(
+        "the restart", lambda: len(start_steps(job_logs(slurm, sub.job_id, plan.log_dir))) == 2, 90
+    )
+    print(f"scontrol requeue → training restarted: {time.monotonic() - requeued_at:.1f}s")
     done = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=120)
     logs = job_logs(slurm, sub.job_id, plan.log_dir)
     assert done.state is JobState.COMPLETED, logs

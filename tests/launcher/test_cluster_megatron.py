@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -15,9 +17,17 @@ from .conftest import REPO
 
 pytestmark = pytest.mark.integration
 
+PREPARE = """
+import sys
+from pathlib import Path
+from megatron_runs import cpu_compat
+cpu_compat.apply()
+from megatron_runs.data_prep import prepare
+prepare(None, Path(sys.argv[1]), int(sys.argv[2]))
+"""
+
 
 def test_megatron_tp2_pp2_on_two_nodes_trains_and_checkpoints(slurm, tmp_path, toy_plan):
-    data_prep = pytest.importorskip("megatron_runs.data_prep")
     spec = RunSpec.from_file(REPO / "examples" / "tiny-cpu.yaml")
     spec = spec.model_copy(
         update={
@@ -29,8 +39,16 @@ def test_megatron_tp2_pp2_on_two_nodes_trains_and_checkpoints(slurm, tmp_path, t
     )
     assert spec.layout_problems() == []
     home = tmp_path / "home"
-    # prepared once here, so four ranks do not race to build the demo corpus
-    data_prep.prepare(None, home / "data", spec.model.vocab_size)
+    # Prepared once, before the job, so four ranks do not race to build the demo corpus; in a
+    # child process because cpu_compat patches torch process-wide.
+    prep = subprocess.run(
+        [sys.executable, "-c", PREPARE, str(home / "data"), str(spec.model.vocab_size)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert prep.returncode == 0, prep.stderr[-3000:]
     plan = replace(
         toy_plan(tmp_path, spec),
         entry="megatron_runs.train",

@@ -87,7 +87,8 @@ def test_bad_data_running_past_the_skip_extends_it_then_suspects_node(rc: Recove
     )
     hist = RunHistory(remedies=(first,), checkpoints=CKPTS, attempt_nodes=NODES)
     r = decide(snap_at(253), [cont], hist, rc)
-    assert r.kind is RemedyKind.ROLLBACK and r.skip_ranges == ((2032, 2048),)
+    # The bad data outran a 32-sample skip: skip at least twice that from where it resumes.
+    assert r.kind is RemedyKind.ROLLBACK and r.skip_ranges == ((2032, 2032 + 64),)
     # Budget of rollbacks per incident (2) spent: suspect a node of every faulty attempt.
     second = past(
         RemedyKind.ROLLBACK,
@@ -260,3 +261,25 @@ def test_slurm_unknown_never_destructive(rc: RecoverySpec, kind: FindingKind) ->
     f = Finding(kind=kind, summary=kind.value, last_healthy_step=5, first_bad_step=6)
     r = decide(snap_at(10, job_health=SourceHealth.DOWN), [f], RunHistory(), rc)
     assert r.kind is RemedyKind.OBSERVE and not r.kind.resubmits
+
+
+def test_trusted_checkpoints_drop_state_thrown_away_by_a_rollback() -> None:
+    from supervisor.watchdog.policy import trusted_checkpoints
+
+    ckpts = [CheckpointRef(step=s, saved_at=t) for s, t in ((100, 10.0), (120, 20.0), (140, 50.0))]
+    # Rolled back to 100; the attempt resuming from it started at t = 30.
+    assert [c.step for c in trusted_checkpoints(ckpts, [(100, 30.0)])] == [100, 140]
+    # Not started yet: nothing past 100 is trusted.
+    assert [c.step for c in trusted_checkpoints(ckpts, [(100, None)])] == [100]
+    assert trusted_checkpoints(ckpts, []) == ckpts
+
+
+def test_exclusion_needs_a_spare_node(rc: RecoverySpec) -> None:
+    fail = Finding(
+        kind=FindingKind.JOB_NODE_FAIL, summary="node fail", cause=Cause.NODE, nodes=("n2",)
+    )
+    spare = RunHistory(usable_nodes=frozenset({"n1", "n2", "n3"}), nodes_needed=2)
+    assert decide(snap_at(10), [fail], spare, rc).kind is RemedyKind.EXCLUDE_NODE
+    tight = RunHistory(usable_nodes=frozenset({"n1", "n2"}), nodes_needed=2)
+    r = decide(snap_at(10), [fail], tight, rc)
+    assert r.kind is RemedyKind.ESCALATE and "no spare node" in r.reason

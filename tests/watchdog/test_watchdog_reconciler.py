@@ -268,3 +268,27 @@ def test_only_the_lease_holder_acts(db: Database, tmp_path: Path) -> None:
     result = second.tick()
     assert not result.leader and result.submitted == []
     assert len(cluster.submitted) == 1
+
+
+def test_checkpoint_saved_past_a_rollback_is_never_resumed(db: Database, tmp_path: Path) -> None:
+    """The old job checkpoints step 120 on its way out after the rollback to 100: tainted."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, _ = running(db, tmp_path, cluster, source)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(TINY_SPEC))
+    write_checkpoint(ckpt, 100, 800)
+    source.samples[(run_id, 1)] = nan_samples(run_id)
+    assert rec.tick().remedies[run_id].to_step == 100
+    write_checkpoint(ckpt, 120, 960)  # written by the cancelled job, after the decision
+    job2 = cluster.submitted[-1][0]
+    cluster.set(job2, JobState.PREEMPTED)
+    remedy = rec.tick().remedies[run_id]
+    assert remedy.kind is RemedyKind.REQUEUE and remedy.to_step == 100
+    assert rows(db, Attempt, run_id)[-1].resume_step == 100
+    # A checkpoint the resumed attempt writes itself is trusted again.
+    job3 = cluster.submitted[-1][0]
+    cluster.set(job3, JobState.RUNNING)
+    rec.tick()
+    write_checkpoint(ckpt, 150, 1200, saved_at=time.time() + 1)
+    cluster.set(job3, JobState.TIMEOUT)
+    remedy = rec.tick().remedies[run_id]
+    assert remedy.kind is RemedyKind.REQUEUE and remedy.to_step == 150

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Response, status
+from pydantic import BaseModel
 
 from supervisor import store
 from supervisor.api.deps import ReadToken, SessionDep, SubmitToken, WriteSessionDep
@@ -14,6 +15,7 @@ from supervisor.api.schemas import (
     MAX_ATTEMPT,
     RUN_ID_PATTERN,
     RUN_NAME_PATTERN,
+    AttemptOut,
     ErrorBody,
     EventOut,
     EventPage,
@@ -58,7 +60,6 @@ RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])
 )
 def submit_run(
     spec: Annotated[RunSpec, Body(openapi_examples=SPEC_EXAMPLES)],
-    response: Response,
     session: WriteSessionDep,
     token: SubmitToken,
     idempotency_key: Annotated[
@@ -79,12 +80,18 @@ def submit_run(
     if not report.ok:
         raise LayoutRejected(report.errors)
     run, created = store.create_run(
-        session, spec, created_by=token.id, idempotency_key=idempotency_key
+        session, spec, created_by=token.token_id, idempotency_key=idempotency_key
     )
-    response.headers["Location"] = f"/v1/runs/{run.id}"
-    if not created:
-        response.status_code = status.HTTP_200_OK
-    return run
+    return _json(
+        RunOut.model_validate(run),
+        status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        {"Location": f"/v1/runs/{run.id}"},
+    )
+
+
+def _json(body: BaseModel, code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """Serialize in the worker thread; FastAPI would re-validate a returned model first."""
+    return Response(body.model_dump_json(), code, headers, media_type="application/json")
 
 
 @router.get("", response_model=RunPage)
@@ -112,8 +119,8 @@ def list_runs(
 def get_run(run_id: RunId, session: SessionDep, _: ReadToken) -> Any:
     """One run with its attempts."""
     run = store.get_run(session, run_id)
-    detail = RunDetail.model_validate(run)
-    return detail.model_copy(update={"attempts": store.get_attempts(session, run_id)})
+    attempts = [AttemptOut.model_validate(a) for a in store.get_attempts(session, run_id)]
+    return _json(RunDetail.model_validate(run).model_copy(update={"attempts": attempts}))
 
 
 @router.post("/{run_id}/cancel", response_model=RunOut, responses={

@@ -1,0 +1,270 @@
+"""Chaos soak: a seeded fault schedule against Nightwatch and a naive baseline, on the real stack.
+
+Real parts: a local SLURM cluster (scripts/devcluster, one slurmd per node, nodes frozen to
+die), Prometheus discovering workers through the supervisor, a PostgreSQL-backed supervisor
+(API + reconciler, SIGKILLed on schedule), and CPU Megatron-Core GPT training (TP 1 × PP 2 ×
+DP 2 over 2 nodes). In order: a fault-free reference run (the baseline's script, no faults),
+Nightwatch under the schedule, the baseline under the same schedule. Prints the seed and the
+schedule first and the side-by-side table last; writes everything to `<out>/result.json`.
+
+    .venv/bin/python benchmarks/chaos_soak.py --seed 7 --minutes 20       # the full soak
+    .venv/bin/python benchmarks/chaos_soak.py --short                     # ≈ 5 min, make test
+    .venv/bin/python benchmarks/chaos_soak.py --clean --minutes 30        # no faults
+    .venv/bin/python benchmarks/chaos_soak.py --faults poison_data,hang --steps 200
+
+Exit status 0 when Nightwatch met the acceptance properties the chosen mode can show (see
+`acceptance`), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.soak.baseline import run_baseline
+from benchmarks.soak.driver import SystemRun
+from benchmarks.soak.nightwatch import run_nightwatch
+from benchmarks.soak.schedule import (
+    NODE_FAULTS,
+    SHORT_KINDS,
+    FaultKind,
+    Schedule,
+    SoakShape,
+    draw,
+    parse_kinds,
+)
+from benchmarks.soak.score import SystemScore, comparison, score_system
+from benchmarks.soak.services import REPO, Cluster, Supervisor, create_database
+from supervisor.auth import Scope
+
+JOB_NODES, PER_NODE = 2, 2
+
+
+@dataclass(frozen=True)
+class Mode:
+    kinds: tuple[FaultKind, ...]
+    train_steps: int
+    checkpoint_interval: int
+    systems: tuple[str, ...]
+
+
+def mode_from_args(args: argparse.Namespace) -> Mode:
+    """--short / --clean / --faults / --minutes → what to run (pure)."""
+    default = SHORT_KINDS if args.short else tuple(FaultKind)
+    kinds = () if args.clean else tuple(parse_kinds(args.faults, default))
+    if args.steps:
+        steps = args.steps
+    elif args.short:
+        steps = 150
+    else:
+        steps = int(args.minutes * 60 / args.step_seconds)
+    systems = ("nightwatch",) if (args.clean or args.short) else ("nightwatch", "baseline")
+    if args.systems:
+        systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    return Mode(kinds, steps, args.checkpoint_interval, systems)
+
+
+def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> dict[str, Any]:
+    """The run: a small GPT on CPU, TP 1 × PP 2 × DP 2 over 2 nodes (pure)."""
+    node_faults = sum(1 for f in schedule.faults if f.kind in NODE_FAULTS) if schedule else 0
+    return {
+        "name": "chaos-soak",
+        "model": {
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "seq_length": 64,
+            "vocab_size": 4096,
+            "precision": "fp32",
+        },
+        "parallelism": {"tensor": 1, "pipeline": 2, "data": 2, "distributed_optimizer": True},
+        "resources": {
+            "nodes": JOB_NODES,
+            "gpus_per_node": PER_NODE,
+            "cpus_per_task": 1,
+            "time_limit_minutes": 60,
+        },
+        "training": {
+            "train_steps": mode.train_steps,
+            "micro_batch_size": 2,
+            "global_batch_size": 8,
+            "lr": 1.0e-3,
+            "min_lr": 1.0e-4,
+            "lr_warmup_steps": 10,
+        },
+        "data": data,
+        "checkpoint": {"interval_steps": mode.checkpoint_interval, "keep_last": 3},
+        # A CPU step is ~0.1-0.5 s: a 20 s no-progress floor is still > 40 steps.
+        "recovery": {"hang_floor_seconds": 20.0, "max_excluded_nodes": max(2, node_faults)},
+        "faults": schedule.spec_faults() if schedule else [],
+    }
+
+
+def acceptance(nightwatch: SystemScore, clean: bool, loss_tol: float = 0.02) -> list[str]:
+    """The properties of issue 6 a run of this length can show; returns what failed."""
+    failed = []
+    if not nightwatch.reached_target:
+        failed.append(f"stopped at step {nightwatch.final_step} of {nightwatch.target_steps}")
+    if nightwatch.loss_rel_diff is None or nightwatch.loss_rel_diff > loss_tol:
+        failed.append(f"final loss off the reference by {nightwatch.loss_rel_diff}")
+    if nightwatch.escalations:
+        failed.append(f"{nightwatch.escalations} escalation(s)")
+    if clean and nightwatch.remedies:
+        failed.append(f"{nightwatch.remedies} remedies in a clean run")
+    for f in nightwatch.faults:
+        if not f.triggered:
+            failed.append(f"{f.kind} at step {f.at_step} never happened ({f.note})")
+        elif not f.right_action:
+            failed.append(f"{f.kind}: cured by {f.cured_by}, remedies {f.remedies}")
+        elif not f.recovered:
+            failed.append(f"{f.kind}: no recovery seen")
+    return failed
+
+
+def prepare_data(cache: Path, vocab: int) -> dict[str, str]:
+    from megatron_runs.data_prep import prepare
+
+    prepared = prepare(None, cache, vocab)
+    return {"prefix": prepared.prefix, "tokenizer": prepared.tokenizer_path}
+
+
+def log_to(path: Path) -> Callable[[str], None]:
+    start = time.time()
+
+    def say(msg: str) -> None:
+        line = f"[{time.time() - start:7.1f}s] {msg}"
+        print(line, flush=True)
+        with path.open("a") as fh:
+            fh.write(line + "\n")
+
+    return say
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=None, help="default: random, printed")
+    ap.add_argument("--minutes", type=float, default=20.0, help="training length to aim for")
+    ap.add_argument("--step-seconds", type=float, default=0.5, help="expected CPU step time")
+    ap.add_argument("--steps", type=int, default=None, help="train_steps (overrides --minutes)")
+    ap.add_argument("--checkpoint-interval", type=int, default=10)
+    ap.add_argument("--faults", default=None, help="comma-separated kinds (default: all)")
+    ap.add_argument("--short", action="store_true", help="≈ 5 minutes, 3 fault kinds")
+    ap.add_argument("--clean", action="store_true", help="no faults: zero remedies expected")
+    ap.add_argument("--systems", default=None, help="nightwatch,baseline (default by mode)")
+    ap.add_argument("--out", type=Path, default=REPO / "out" / "soak")
+    ap.add_argument("--base-port", type=int, default=17900, help="devcluster's first port")
+    ap.add_argument("--budget-factor", type=float, default=3.0,
+                    help="each system may take this × the reference's wall time")  # fmt: skip
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(1, 10**6)
+    mode = mode_from_args(args)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out / f"{stamp}-seed{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    say = log_to(out / "soak.log")
+    node_faults = sum(1 for k in mode.kinds if k in NODE_FAULTS)
+    nodes = JOB_NODES + node_faults + 1
+    cluster = Cluster(out / "cluster", nodes, args.base_port)
+    shape = SoakShape(
+        mode.train_steps, mode.checkpoint_interval, 8, JOB_NODES * PER_NODE,
+        cluster.node_names, JOB_NODES,
+    )  # fmt: skip
+    schedule = draw(seed, shape, mode.kinds) if mode.kinds else None
+    say(f"seed {seed} · {mode.train_steps} steps · systems {', '.join(mode.systems)}")
+    say(schedule.render() if schedule else "clean soak: no faults")
+    (out / "schedule.json").write_text(schedule.to_json() if schedule else "{}")
+    data = prepare_data(args.out / "data", 4096)
+    spec = soak_spec(mode, schedule, data)
+    clean_spec = {**spec, "faults": []}
+    supervisor = None
+    runs: dict[str, SystemRun] = {}
+    try:
+        db_url = create_database(f"nw_soak_{seed}")
+        supervisor = Supervisor(out / "home", db_url, cluster.prometheus_url, cluster.slurm_conf)
+        tokens = {
+            "admin": supervisor.token("soak", [Scope.ADMIN]),
+            "read": supervisor.token("prometheus", [Scope.READ]),
+        }
+        cluster.start(f"{supervisor.url}/v1/prometheus/targets", tokens["read"])
+        supervisor.start()
+        say(f"stack up: {nodes} nodes, supervisor {supervisor.url}, {cluster.prometheus_url}")
+        ref = run_baseline(
+            clean_spec, None, cluster, out / "reference", supervisor.home,
+            budget_s=args.minutes * 60 * 3 + 600, say=say, system="reference",
+        )  # fmt: skip
+        runs["reference"] = ref
+        budget = args.budget_factor * (ref.end_t - ref.submit_t) + 120
+        say(f"reference: step {ref.progress.max_step} in {ref.end_t - ref.submit_t:.0f}s")
+        if "nightwatch" in mode.systems:
+            runs["nightwatch"] = run_nightwatch(
+                spec if schedule else clean_spec, schedule, cluster, supervisor, tokens,
+                budget, say,
+            )  # fmt: skip
+        if "baseline" in mode.systems:
+            runs["baseline"] = run_baseline(
+                spec, schedule, cluster, out / "baseline", supervisor.home, budget, say
+            )
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+        try:
+            cluster.stop()
+        except Exception as exc:  # report, but the result is still written
+            say(f"cluster stop failed: {exc}")
+    ref = runs["reference"]
+    scores = [
+        score_system(
+            name,
+            injections=r.injections,
+            progress=r.progress,
+            remedies=r.remedies,
+            escalations=r.escalations,
+            submit_t=r.submit_t,
+            end_t=r.end_t,
+            target_steps=r.target_steps,
+            reference=ref.progress,
+            reference_submit_t=ref.submit_t,
+        )
+        for name, r in runs.items()
+        if name != "reference"
+    ]
+    table = comparison(scores)
+    say("\n" + table)
+    failed = acceptance(scores[0], clean=schedule is None) if scores else ["nothing scored"]
+    for line in failed:
+        say(f"FAILED: {line}")
+    result = {
+        "seed": seed,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(sys.argv),
+        "schedule": schedule.to_dict() if schedule else None,
+        "scores": [s.to_dict() for s in scores],
+        "final_states": {k: r.final_state for k, r in runs.items()},
+        "injections": {
+            k: [{"kind": i.fault.kind.value, "t": i.t, "note": i.note} for i in r.injections]
+            for k, r in runs.items()
+        },
+        "extra": {k: r.extra for k, r in runs.items()},
+        "acceptance_failed": failed,
+        "mode": asdict(mode),
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    say(f"result: {out / 'result.json'}")
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The naive baseline: what a team runs without Nightwatch, under the same fault schedule.
+
+One sbatch script: `--requeue` (SLURM puts the job back after a node failure or preemption),
+`--signal=USR2@90` (the trainer checkpoints before the walltime), the same training program
+resuming from the newest complete checkpoint, and `scontrol requeue` of itself when the
+program exits non-zero (a crash or a checkpointed stop). No metrics are watched: a loss spike,
+NaN gradients, a hang or a slow node are not seen, and nodes are never excluded.
+
+The same script without faults is the fault-free reference run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.soak.driver import SystemRun, drive, end_time
+from benchmarks.soak.faults import Injector, JobView
+from benchmarks.soak.progress import LogFollower
+from benchmarks.soak.schedule import Schedule
+from benchmarks.soak.score import Remedy
+from benchmarks.soak.services import PYTHON, REPO, Cluster
+from supervisor.slurm import JobState, SlurmCluster, SourceUnavailable
+
+#: Nightwatch's workers take 20000-29999 (worker.env.master_port); stay clear of them.
+MASTER_PORT_BASE = 30000
+
+
+def sbatch_script(spec: dict[str, Any], spec_path: Path, work: Path, run_id: str) -> str:
+    """The job script (pure): requeue on failure, resume from `latest`, one task per rank."""
+    res = spec.get("resources", {})
+    nodes, per_node = int(res.get("nodes", 1)), int(res.get("gpus_per_node", 1))
+    cpus = int(res.get("cpus_per_task", 1))
+    minutes = int(res.get("time_limit_minutes", 60))
+    train = " ".join(
+        [
+            shlex.quote(PYTHON), "-m", "megatron_runs.train",
+            "--spec", shlex.quote(str(spec_path)),
+            "--run-id", shlex.quote(run_id),
+            "--checkpoint-dir", shlex.quote(str(work / "checkpoints")),
+            '--attempt "$SLURM_RESTART_COUNT"',
+        ]
+    )  # fmt: skip
+    rank_env = (
+        "export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS "
+        "LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE MASTER_ADDR=$SLURM_LAUNCH_NODE_IPADDR; "
+        f"exec {train}"
+    )
+    return f"""#!/bin/bash
+#SBATCH --job-name=baseline-{run_id}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node={per_node}
+#SBATCH --cpus-per-task={cpus}
+#SBATCH --time={minutes}
+#SBATCH --requeue
+#SBATCH --signal=USR2@90
+#SBATCH --open-mode=append
+#SBATCH --output={work}/logs/batch_%j.out
+export SLURM_RESTART_COUNT=${{SLURM_RESTART_COUNT:-0}}
+export MASTER_PORT=$(( {MASTER_PORT_BASE} + (SLURM_JOB_ID * 8 + SLURM_RESTART_COUNT) % 10000 ))
+export OMP_NUM_THREADS={cpus} PYTHONPATH={shlex.quote(str(REPO))}
+cd {shlex.quote(str(REPO))}
+srun --kill-on-bad-exit=1 --open-mode=append --output={work}/logs/%j_%t_log.out \\
+  bash -c {shlex.quote(rank_env)}
+rc=$?
+echo "training exited $rc (restart $SLURM_RESTART_COUNT)"
+if [ "$rc" -ne 0 ]; then
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$rc"
+"""
+
+
+def submit(cluster: Cluster, script: Path, home: Path) -> str:
+    out = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        env={**os.environ, **cluster.env, "NIGHTWATCH_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"sbatch: {out.stderr.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def run_baseline(
+    spec: dict[str, Any],
+    schedule: Schedule | None,
+    cluster: Cluster,
+    work: Path,
+    home: Path,
+    budget_s: float,
+    say: Callable[[str], None],
+    system: str = "baseline",
+) -> SystemRun:
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    script = work / "job.sbatch"
+    script.write_text(sbatch_script(spec, spec_path, work, system))
+    slurm = SlurmCluster(cluster.slurm_conf)
+    injector = Injector(cluster, requeueable=True)
+    submit_t = time.time()
+    job_id = submit(cluster, script, home)
+    say(f"{system} job {job_id}")
+    follower = LogFollower(work / "logs", "*_0_log.out")
+    status: dict[str, Any] = {}
+
+    def poll() -> None:
+        # slurmctld may be down on purpose: keep the last answer
+        with contextlib.suppress(SourceUnavailable):
+            status["job"] = slurm.poll([job_id])[job_id]
+
+    def current_job() -> JobView:
+        poll()
+        job = status.get("job")
+        return JobView(job_id, job.nodes if job else (), work / "checkpoints")
+
+    def finished() -> str | None:
+        poll()
+        job = status.get("job")
+        if job is None or not job.state.terminal or job.state is JobState.UNKNOWN:
+            return None
+        return job.state.value.lower()
+
+    faults = list(schedule.faults) if schedule else []
+    try:
+        injections, state = drive(
+            faults, follower, current_job, finished, injector, submit_t + budget_s, say
+        )
+    finally:
+        subprocess.run(
+            ["scancel", job_id], env={**os.environ, **cluster.env}, capture_output=True, timeout=30
+        )
+        injector.revive_all()
+    progress = follower.poll()
+    target = int(spec["training"]["train_steps"])
+    restarts = [Remedy(s.t, "requeue") for s in progress.starts[1:]]
+    return SystemRun(
+        system=system,
+        submit_t=submit_t,
+        end_t=end_time(progress, target, time.time()),
+        target_steps=target,
+        progress=progress,
+        injections=injections,
+        remedies=restarts,
+        final_state=state,
+        extra={"job_id": job_id},
+    )

@@ -1,0 +1,92 @@
+"""The loop shared by both systems: follow training, inject each fault when its step comes.
+
+A fault fires the first time training reaches its step (after a rollback the same steps come
+again; the fault does not fire twice). Spec-side faults need nothing from the driver: they are
+recorded as armed, and their time is read from the training log when scored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.soak.faults import Injector, JobView
+from benchmarks.soak.progress import LogFollower, Progress
+from benchmarks.soak.schedule import ScheduledFault
+from benchmarks.soak.score import Injection, Remedy
+
+POLL_S = 0.5
+
+
+@dataclass
+class SystemRun:
+    """What one system did under the schedule (input to `score.score_system`)."""
+
+    system: str
+    submit_t: float
+    end_t: float
+    target_steps: int
+    progress: Progress
+    injections: list[Injection]
+    remedies: list[Remedy] = field(default_factory=list)
+    escalations: int = 0
+    final_state: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def end_time(progress: Progress, target: int, fallback: float) -> float:
+    """When training reached the target (the job's teardown is not training time), else the
+    moment the driver gave up."""
+    ev = progress.first_reaching(target)
+    return ev.t if ev is not None else fallback
+
+
+def drive(
+    faults: Sequence[ScheduledFault],
+    follower: LogFollower,
+    current_job: Callable[[], JobView],
+    finished: Callable[[], str | None],
+    injector: Injector,
+    deadline: float,
+    say: Callable[[str], None],
+) -> tuple[list[Injection], str]:
+    """Run until `finished()` names a final state or the deadline passes."""
+    pending = list(faults)
+    done: list[Injection] = []
+    state: str | None = None
+    last_step = -1
+    while True:
+        now = time.time()
+        progress = follower.poll()
+        step = progress.max_step
+        if step != last_step and step % 10 == 0:
+            say(f"step {step}")
+        last_step = step
+        while pending and step >= pending[0].at_step:
+            fault = pending.pop(0)
+            if fault.spec_side:
+                done.append(Injection(fault, None, "armed in spec"))
+                say(f"{fault.kind.value} at step {fault.at_step} (in spec)")
+                continue
+            try:
+                note = injector.inject(fault, current_job())
+            except Exception as exc:  # a failed injection is a finding about the soak: record
+                note = f"injection failed: {exc}"
+            done.append(Injection(fault, time.time(), note))
+            say(f"{fault.kind.value} at step {step}: {note}")
+        for label in injector.tick(now):
+            say(label)
+        state = finished()
+        if state is not None:
+            break
+        if now > deadline:
+            state = "deadline"
+            say("deadline reached")
+            break
+        time.sleep(POLL_S)
+    for label in injector.finish():
+        say(label)
+    done.extend(Injection(f, None, "not reached") for f in pending)
+    return done, state

@@ -1,0 +1,277 @@
+"""External faults, done to the running system exactly as the world would do them.
+
+Spec-side faults (poisoned data, sick nodes) are injected by the training program itself; the
+rest happen here: SIGKILL one rank's process (a crash), freeze a node (a dead host), the
+signal a preemption sends, a walltime cut short, a truncated newest checkpoint, and restarts
+of Prometheus, slurmctld and the supervisor. Each injection returns a note for the record;
+the restarts that end a fault are follow-ups run by `tick()` when due.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.soak.schedule import FaultKind, ScheduledFault
+from benchmarks.soak.services import Cluster, Supervisor
+
+PREEMPT_GRACE_S = 30.0
+
+
+@dataclass
+class FollowUp:
+    due: float
+    label: str
+    action: Callable[[], None]
+    ready: Callable[[], bool] = lambda: True
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The system's current SLURM job as the driver sees it."""
+
+    job_id: str | None
+    nodes: tuple[str, ...]
+    checkpoint_dir: Path
+
+
+def slurm(cluster: Cluster, *args: str, timeout_s: float = 15) -> str:
+    out = subprocess.run(
+        list(args), env={**os.environ, **cluster.env}, capture_output=True, text=True,
+        timeout=timeout_s,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def _environ(pid: str) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def _ppid(pid: str) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[1]
+
+
+def rank_process(job_id: str, rank: int) -> int | None:
+    """The training process of one global rank: a python whose SLURM step environment says
+    this job and rank, and whose parent is not one (not a helper it spawned)."""
+    found: set[str] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        env = _environ(entry.name)
+        if env.get("SLURM_JOB_ID") != job_id or env.get("SLURM_PROCID") != str(rank):
+            continue
+        if "SLURM_STEP_ID" not in env or env.get("SLURM_STEP_ID") == "batch":
+            continue
+        try:
+            cmd = Path(f"/proc/{entry.name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"python" in cmd:
+            found.add(entry.name)
+    tops = [p for p in found if _ppid(p) not in found]
+    return int(min(tops, key=int)) if tops else None
+
+
+def newest_checkpoint(ckpt_dir: Path) -> Path | None:
+    marker = ckpt_dir / "latest"
+    try:
+        step = int(marker.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    path = ckpt_dir / f"iter_{step:07d}"
+    return path if path.is_dir() else None
+
+
+def truncate_largest(ckpt: Path) -> Path | None:
+    """What a torn write looks like: the largest data file cut to half its size."""
+    files = [p for p in ckpt.rglob("*") if p.is_file() and p.name != "nightwatch.json"]
+    if not files:
+        return None
+    victim = max(files, key=lambda p: p.stat().st_size)
+    with victim.open("r+b") as fh:
+        fh.truncate(victim.stat().st_size // 2)
+    return victim
+
+
+def elapsed_minutes(text: str) -> int:
+    """squeue's TimeUsed (`[d-]h:m:s` or `m:s`) in whole minutes."""
+    days, _, rest = text.strip().rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    h, m, _ = parts
+    return int(days or 0) * 1440 + h * 60 + m
+
+
+@dataclass
+class Injector:
+    """Does external faults to one system under test and undoes the temporary ones."""
+
+    cluster: Cluster
+    supervisor: Supervisor | None = None
+    sd_url: str | None = None
+    sd_token: str | None = None
+    requeueable: bool = False
+    followups: list[FollowUp] = field(default_factory=list)
+    dead_nodes: list[str] = field(default_factory=list)
+
+    def inject(self, fault: ScheduledFault, job: JobView) -> str:
+        kind, p = fault.kind, fault.params
+        if kind in (FaultKind.RANK_CRASH, FaultKind.CORRUPT_CHECKPOINT):
+            note = ""
+            if kind is FaultKind.CORRUPT_CHECKPOINT:
+                note = self._corrupt(job.checkpoint_dir, p["checkpoint_step"]) + "; "
+            return note + self._kill_rank(job, int(p["rank"]))
+        if kind is FaultKind.NODE_DEATH:
+            return self._node_death(job, p["node"])
+        if kind is FaultKind.PREEMPTION:
+            return self._preempt(job)
+        if kind is FaultKind.WALLTIME:
+            return self._walltime(job)
+        if kind is FaultKind.PROMETHEUS_RESTART:
+            return self._prometheus(float(p["down_s"]))
+        if kind is FaultKind.SLURMCTLD_RESTART:
+            self.cluster.stop_slurmctld()
+            self._later(float(p["down_s"]), "slurmctld back", self.cluster.start_slurm_only)
+            return f"slurmctld stopped for {p['down_s']}s"
+        if kind is FaultKind.SUPERVISOR_KILL:
+            if self.supervisor is None:
+                return "n/a: no supervisor"
+            self.supervisor.kill()
+            self._later(float(p["down_s"]), "supervisor back", self.supervisor.start)
+            return f"supervisor SIGKILLed, back in {p['down_s']}s"
+        raise ValueError(f"{kind} is injected by the training program, not the driver")
+
+    def _kill_rank(self, job: JobView, rank: int) -> str:
+        if job.job_id is None:
+            return "no job to crash"
+        pid = rank_process(job.job_id, rank)
+        if pid is None:
+            return f"rank {rank} of job {job.job_id} not found"
+        os.kill(pid, signal.SIGKILL)
+        return f"SIGKILL rank {rank} (pid {pid}) of job {job.job_id}"
+
+    def _corrupt(self, ckpt_dir: Path, expected: int) -> str:
+        ckpt = newest_checkpoint(ckpt_dir)
+        if ckpt is None:
+            return "no checkpoint to corrupt"
+        victim = truncate_largest(ckpt)
+        step = int(ckpt.name.removeprefix("iter_"))
+        drift = "" if step == expected else f" (scheduled {expected})"
+        return f"truncated {victim.name if victim else '-'} of step {step}{drift}"
+
+    def _node_death(self, job: JobView, node: str) -> str:
+        note = ""
+        if job.nodes and node not in job.nodes:
+            note = f" (scheduled {node}, not in the job)"
+            node = job.nodes[-1]
+        self.cluster.kill_node(node)
+        self.dead_nodes.append(node)
+        return f"froze {node}{note}"
+
+    def _preempt(self, job: JobView) -> str:
+        """A preemption as SLURM does it: TERM to the job's tasks, a kill after the grace time
+        (a requeueable job is requeued instead of cancelled, as PreemptMode=REQUEUE would)."""
+        if job.job_id is None:
+            return "no job to preempt"
+        job_id = job.job_id
+        slurm(self.cluster, "scancel", "--signal=TERM", job_id)
+
+        def finish() -> None:
+            state = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%T").strip()
+            if state == "RUNNING":
+                cmd = ["scontrol", "requeue", job_id] if self.requeueable else ["scancel", job_id]
+                slurm(self.cluster, *cmd)
+
+        self._later(PREEMPT_GRACE_S, "preemption grace over", finish)
+        return f"TERM to job {job_id}, killed after {PREEMPT_GRACE_S:.0f}s if still running"
+
+    def _walltime(self, job: JobView) -> str:
+        """Cut the job's time limit to the next minute: SLURM's own walltime machinery (the
+        USR2 warning, then TIMEOUT) does the rest. A requeued job keeps its limit, so for a
+        requeueable job the original limit is put back once it was requeued."""
+        if job.job_id is None:
+            return "no job"
+        job_id = job.job_id
+        times = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%M|%l")
+        used, limit = times.strip().split("|")
+        minutes = elapsed_minutes(used) + 1
+        slurm(self.cluster, "scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}")
+        if self.requeueable:
+
+            def requeued() -> bool:
+                state = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%T").strip()
+                return state in {"PENDING", "REQUEUED", "CONFIGURING"} or (
+                    state == "RUNNING"
+                    and elapsed_minutes(
+                        slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%M")
+                    )
+                    < minutes - 1
+                )
+
+            self.followups.append(
+                FollowUp(
+                    time.time() + 5,
+                    "walltime limit restored",
+                    lambda: slurm(
+                        self.cluster, "scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}"
+                    ),
+                    ready=requeued,
+                )
+            )
+        return f"time limit of job {job_id} cut to {minutes} min (used {used}, was {limit})"
+
+    def _prometheus(self, down_s: float) -> str:
+        if self.sd_url is None:
+            return "n/a: this system reads no metrics"
+        self.cluster.stop_prometheus()
+        url, token = self.sd_url, self.sd_token or ""
+        self._later(down_s, "prometheus back", lambda: self.cluster.restart_prometheus(url, token))
+        return f"prometheus stopped for {down_s:.0f}s"
+
+    def _later(self, delay_s: float, label: str, action: Callable[[], None]) -> None:
+        self.followups.append(FollowUp(time.time() + delay_s, label, action))
+
+    def tick(self, now: float) -> list[str]:
+        """Run the follow-ups that are due and ready; returns what was done."""
+        done = []
+        for f in list(self.followups):
+            if f.due <= now and f.ready():
+                self.followups.remove(f)
+                f.action()
+                done.append(f.label)
+        return done
+
+    def finish(self) -> list[str]:
+        """Undo every temporary fault now (services back up), whatever is still pending."""
+        done = []
+        for f in list(self.followups):
+            self.followups.remove(f)
+            try:
+                f.action()
+                done.append(f.label)
+            except Exception as exc:  # cleanup goes on; the failure is reported
+                done.append(f"{f.label} failed: {exc}")
+        return done
+
+    def revive_all(self) -> None:
+        for node in self.dead_nodes:
+            self.cluster.revive_node(node)
+        self.dead_nodes.clear()

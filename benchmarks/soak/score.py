@@ -1,0 +1,334 @@
+"""Score a soak (pure): per fault and per system, from ground truth plus the remedies taken.
+
+Definitions (the same for Nightwatch and the baseline):
+- fault time: when the driver injected an external fault; for a spec-side fault, when the
+  faulty step began (the first time training completed step `at_step - 1`).
+- a fault's window runs from its time to the next fault's time (faults are spaced so that
+  each recovery happens inside its own window); remedies in the window belong to the fault.
+- detected: some remedy was taken in the window; detection latency: first remedy − fault time.
+- cured by: the last remedy of the window; right action: it is one of `schedule.CURES[kind]`
+  (infra faults: no remedy at all is the right action).
+- recovered: a process group that started after the last remedy trained past its resume
+  step; MTTR = that moment − fault time.
+- steps lost: for each restart in the window, the step the previous run had reached minus the
+  step the restart resumed from.
+- ETTR: good steps of the final trajectory × the reference's median step time / wall time
+  (submit → end), i.e. the share of the wall time that was useful training; steps whose
+  update was thrown away (NaN/Inf) are not good. `ettr_vs_reference` is the reference run's
+  time to the same final step / wall time (startup costs then count as useful).
+- final loss: mean loss over the last `loss_window` steps of the final trajectory, against
+  the reference's mean over the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from benchmarks.soak.progress import Progress, final_trajectory, mean_loss, time_to_step
+from benchmarks.soak.schedule import CURES, INFRA_FAULTS, ScheduledFault
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One remedy a system took: Nightwatch's recorded action, or a baseline restart."""
+
+    t: float
+    kind: str
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A scheduled fault as it happened: when it was injected (None: not triggered)."""
+
+    fault: ScheduledFault
+    t: float | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class FaultScore:
+    kind: str
+    at_step: int
+    fault_t: float | None
+    triggered: bool
+    remedies: list[str]
+    detected: bool
+    detection_latency_s: float | None
+    cured_by: str | None
+    right_action: bool
+    recovered: bool
+    mttr_s: float | None
+    steps_lost: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class SystemScore:
+    system: str
+    wall_s: float
+    final_step: int
+    target_steps: int
+    reached_target: bool
+    good_steps: int
+    bad_steps_kept: int
+    ettr: float | None
+    ettr_vs_reference: float | None
+    final_loss: float | None
+    reference_loss: float | None
+    loss_rel_diff: float | None
+    remedies: int
+    escalations: int
+    false_positives: int
+    unrecovered: int
+    faults: list[FaultScore] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def fault_time(inj: Injection, progress: Progress) -> float | None:
+    """External faults: injection time; spec-side faults: start of the faulty step."""
+    if not inj.fault.spec_side:
+        return inj.t
+    before = progress.first_reaching(max(0, inj.fault.at_step - 1))
+    return before.t if before is not None else None
+
+
+def score_fault(
+    inj: Injection,
+    t0: float | None,
+    t1: float,
+    progress: Progress,
+    remedies: Sequence[Remedy],
+) -> FaultScore:
+    """One fault over its window [t0, t1) (t0 None: it never happened)."""
+    kind = inj.fault.kind
+    if t0 is None:
+        return FaultScore(
+            kind.value, inj.fault.at_step, None, False, [], False, None, None, False, False,
+            None, 0, inj.note or "not triggered",
+        )  # fmt: skip
+    mine = [r for r in remedies if t0 <= r.t < t1]
+    starts = [s for s in progress.starts if t0 <= s.t < t1]
+    lost = steps_lost(progress, starts)
+    if kind in INFRA_FAULTS:
+        uninterrupted = not starts
+        return FaultScore(
+            kind.value, inj.fault.at_step, t0, True, [r.kind for r in mine], bool(mine), None,
+            None, not mine, uninterrupted, None if uninterrupted else _mttr(progress, starts, t0),
+            lost, inj.note,
+        )  # fmt: skip
+    cured_by = mine[-1].kind if mine else None
+    last = mine[-1].t if mine else t0
+    recovered_t = _recovery(progress, [s for s in starts if s.t >= last], t1)
+    return FaultScore(
+        kind=kind.value,
+        at_step=inj.fault.at_step,
+        fault_t=t0,
+        triggered=True,
+        remedies=[r.kind for r in mine],
+        detected=bool(mine),
+        detection_latency_s=(mine[0].t - t0) if mine else None,
+        cured_by=cured_by,
+        right_action=cured_by in CURES[kind],
+        recovered=recovered_t is not None,
+        mttr_s=None if recovered_t is None else recovered_t - t0,
+        steps_lost=lost,
+        note=inj.note,
+    )
+
+
+def _recovery(progress: Progress, starts: Sequence[Any], t1: float) -> float | None:
+    """First step past its resume step of a process group that started in `starts`."""
+    for start in starts:
+        ev = next(
+            (
+                e
+                for e in progress.steps
+                if e.incarnation == start.incarnation
+                and start.t <= e.t < t1
+                and e.step > start.step
+                and not e.bad
+            ),
+            None,
+        )
+        if ev is not None:
+            return ev.t
+    return None
+
+
+def _mttr(progress: Progress, starts: Sequence[Any], t0: float) -> float | None:
+    t = _recovery(progress, starts, math.inf)
+    return None if t is None else t - t0
+
+
+def steps_lost(progress: Progress, starts: Sequence[Any]) -> int:
+    """Σ over restarts: the head step before the restart minus the step it resumed from."""
+    lost = 0
+    for start in starts:
+        head = max(
+            (e.step for e in progress.steps if e.t < start.t and _latest_group(progress, e, start)),
+            default=start.step,
+        )
+        lost += max(0, head - start.step)
+    return lost
+
+
+def _latest_group(progress: Progress, ev: Any, start: Any) -> bool:
+    """Is `ev` from the last process group that started before `start`?"""
+    before = [s for s in progress.starts if s.t < start.t]
+    return bool(before) and ev.incarnation == before[-1].incarnation
+
+
+def windows(times: Sequence[float | None], end: float) -> list[tuple[float | None, float]]:
+    """Each fault's [t0, t1): up to the next fault that happened, or to the end."""
+    out: list[tuple[float | None, float]] = []
+    for i, t in enumerate(times):
+        later = [x for x in times[i + 1 :] if x is not None and t is not None and x > t]
+        out.append((t, min(later) if later else end))
+    return out
+
+
+def median_step_s(progress: Progress) -> float | None:
+    """The reference's typical step time (from consecutive steps of one process group)."""
+    gaps = [
+        b.t - a.t
+        for a, b in zip(progress.steps, progress.steps[1:], strict=False)
+        if a.incarnation == b.incarnation and b.step == a.step + 1
+    ]
+    return statistics.median(gaps) if gaps else None
+
+
+def score_system(
+    system: str,
+    *,
+    injections: Sequence[Injection],
+    progress: Progress,
+    remedies: Sequence[Remedy],
+    escalations: int,
+    submit_t: float,
+    end_t: float,
+    target_steps: int,
+    reference: Progress | None,
+    reference_submit_t: float | None,
+    loss_window: int = 16,
+) -> SystemScore:
+    traj = final_trajectory(progress)
+    final_step = max(traj, default=0)
+    good = sum(1 for e in traj.values() if not e.bad)
+    bad = len(traj) - good
+    times = [fault_time(i, progress) for i in injections]
+    faults = [
+        score_fault(inj, t0, t1, progress, remedies)
+        for inj, (t0, t1) in zip(injections, windows(times, end_t), strict=True)
+    ]
+    fault_windows = [
+        (t0, t1)
+        for (t0, t1), inj in zip(windows(times, end_t), injections, strict=True)
+        if t0 is not None and inj.fault.kind not in INFRA_FAULTS
+    ]
+    false_pos = sum(1 for r in remedies if not any(a <= r.t < b for a, b in fault_windows))
+    wall = max(1e-9, end_t - submit_t)
+    ref_step = median_step_s(reference) if reference is not None else None
+    ettr = good * ref_step / wall if ref_step else None
+    ettr_ref = None
+    if reference is not None and reference_submit_t is not None and final_step:
+        to_step = time_to_step(reference, final_step, reference_submit_t)
+        ettr_ref = to_step / wall if to_step is not None else None
+    final_loss, ref_loss, rel = None, None, None
+    if final_step:
+        window = range(max(1, final_step - loss_window + 1), final_step + 1)
+        final_loss = mean_loss(traj, window)
+        if reference is not None:
+            ref_loss = mean_loss(final_trajectory(reference), window)
+        if final_loss is not None and ref_loss:
+            rel = abs(final_loss - ref_loss) / abs(ref_loss)
+    return SystemScore(
+        system=system,
+        wall_s=round(wall, 1),
+        final_step=final_step,
+        target_steps=target_steps,
+        reached_target=final_step >= target_steps,
+        good_steps=good,
+        bad_steps_kept=bad,
+        ettr=ettr,
+        ettr_vs_reference=ettr_ref,
+        final_loss=final_loss,
+        reference_loss=ref_loss,
+        loss_rel_diff=rel,
+        remedies=len(remedies),
+        escalations=escalations,
+        false_positives=false_pos,
+        unrecovered=sum(
+            1 for f in faults if f.triggered and not f.recovered and f.kind not in _INFRA
+        ),
+        faults=faults,
+    )
+
+
+_INFRA = {k.value for k in INFRA_FAULTS}
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return format(value, spec or ".1f")
+    return str(value)
+
+
+def fault_table(scores: Sequence[SystemScore]) -> str:
+    """Per fault, one column group per system: detected / remedy / latency / MTTR / lost."""
+    if not scores:
+        return ""
+    header = f"{'fault':<19} {'step':>5} |" + "|".join(f" {s.system:<40}" for s in scores)
+    sub = f"{'':<19} {'':>5} |" + "|".join(
+        f" {'det':>3} {'remedy':<14} {'lat s':>6} {'MTTR s':>6} {'lost':>5} " for _ in scores
+    )
+    lines = [header, sub, "-" * len(sub)]
+    for i, fault in enumerate(scores[0].faults):
+        cells = []
+        for s in scores:
+            f = s.faults[i]
+            remedy = ("✓ " if f.right_action else "✗ ") + (f.cured_by or "none")
+            cells.append(
+                f" {_fmt(f.detected):>3} {remedy:<14} {_fmt(f.detection_latency_s):>6} "
+                f"{_fmt(f.mttr_s):>6} {f.steps_lost:>5} "
+            )
+        lines.append(f"{fault.kind:<19} {fault.at_step:>5} |" + "|".join(cells))
+    return "\n".join(lines)
+
+
+def system_table(scores: Sequence[SystemScore]) -> str:
+    rows = [
+        ("wall time (s)", lambda s: _fmt(s.wall_s)),
+        ("final step / target", lambda s: f"{s.final_step} / {s.target_steps}"),
+        ("good steps (NaN kept)", lambda s: f"{s.good_steps} ({s.bad_steps_kept})"),
+        ("ETTR", lambda s: _fmt(s.ettr, ".1%")),
+        ("ETTR vs reference", lambda s: _fmt(s.ettr_vs_reference, ".1%")),
+        ("final loss (reference)", lambda s: f"{_fmt(s.final_loss, '.4f')} "
+                                             f"({_fmt(s.reference_loss, '.4f')})"),
+        ("final loss Δ", lambda s: _fmt(s.loss_rel_diff, ".2%")),
+        ("remedies", lambda s: str(s.remedies)),
+        ("false positives", lambda s: str(s.false_positives)),
+        ("escalations", lambda s: str(s.escalations)),
+        ("faults left uncured", lambda s: str(s.unrecovered)),
+        ("faults right / cured", lambda s: f"{sum(f.right_action for f in s.faults)} / "
+                                           f"{sum(f.recovered for f in s.faults)} of "
+                                           f"{len(s.faults)}"),
+    ]  # fmt: skip
+    width = 24
+    lines = [f"{'':<{width}}" + "".join(f"{s.system:>22}" for s in scores)]
+    for label, get in rows:
+        lines.append(f"{label:<{width}}" + "".join(f"{get(s):>22}" for s in scores))
+    return "\n".join(lines)
+
+
+def comparison(scores: Sequence[SystemScore]) -> str:
+    return system_table(scores) + "\n\n" + fault_table(scores)

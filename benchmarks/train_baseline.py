@@ -1,0 +1,101 @@
+"""Bare Megatron-Core loop (SDPA attention, DDP + distributed optimizer), no Nightwatch hooks.
+
+The reference the training program is measured against: same model and parallel setup as
+`megatron_runs`, but random tokens, no metrics, no checksums, no checkpoints, no data
+pipeline. One rank of a job (RANK / WORLD_SIZE / LOCAL_RANK from the environment); rank 0
+prints one JSON line per step: {"event": "step", "step", "step_time"}.
+
+    python benchmarks/train_baseline.py --spec SPEC --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_runs import cpu_compat
+
+CPU = cpu_compat.apply()
+
+import torch  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+
+from megatron_runs import loop  # noqa: E402
+from supervisor.spec import RunSpec  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    spec = RunSpec.from_file(args.spec)
+    rank, _world, _local, device = loop._init_distributed()
+    p, t, m = spec.parallelism, spec.training, spec.model
+    ps.initialize_model_parallel(p.tensor, p.pipeline)
+    torch.manual_seed(t.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
+    bf16 = m.precision == "bf16" and not CPU
+    model, config = loop._build_model(spec, bf16)
+    optimizer = loop._build_optimizer(spec, model, bf16)
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model[0].no_sync
+    config.finalize_model_grads_func = loop.finalize_model_grads
+    dp = ps.get_data_parallel_world_size()
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    gen = torch.Generator(device="cpu").manual_seed(ps.get_data_parallel_rank())
+
+    def batches():
+        while True:
+            tok = torch.randint(
+                0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen
+            )
+            yield loop.MicroBatch(
+                tokens=tok[:, :-1].to(device),
+                labels=tok[:, 1:].to(device),
+                loss_mask=torch.ones(t.micro_batch_size, m.seq_length, device=device),
+                position_ids=torch.arange(m.seq_length, device=device).expand(
+                    t.micro_batch_size, -1
+                ),
+                indices=[],
+            )
+
+    it = batches()
+    fwd_bwd = get_forward_backward_func()
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        fwd_bwd(
+            forward_step_func=loop._forward_step,
+            data_iterator=it,
+            model=model,
+            num_microbatches=num_micro,
+            seq_length=m.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            decoder_seq_length=m.seq_length,
+            forward_only=False,
+        )
+        optimizer.step()
+        if not CPU:
+            torch.cuda.synchronize()
+        if rank == 0:
+            line = {"event": "step", "step": step, "step_time": time.perf_counter() - t0}
+            print(json.dumps(line), file=sys.stderr, flush=True)
+    torch.distributed.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,205 @@
+"""GPU measurements of the training program (4 GPUs, NCCL, bf16); writes JSON results.
+
+Phases (each starts its own ranks through megatron_runs.launch_local):
+* tpcheck: a ~125M GPT for 50 steps as TP2×PP2 and as TP1×DP4 from the same (CPU-initialised,
+  layout-independent) weights: max |Δloss| per step, and the replica checksum result
+  (replica_mismatch events; TP-replicated params and DP replicas compared every 10 steps);
+* dp4 / tp2: the 1.3B GPT (24 × 2048, seq 2048, global batch 64) as DP4 or TP2×DP2, three
+  ways side by side: the bare SDPA loop (benchmarks/train_baseline.py), train() without
+  hooks (no metrics endpoint, no checksums) and train() with them (metrics endpoint +
+  checksum every 10 steps). Step time is the median of steps after the warm-up.
+
+    python benchmarks/train_gpu.py --phase tpcheck dp4 --out OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_runs.launch_local import launch  # noqa: E402
+from megatron_runs.schedule import H100_BF16_PEAK, flops_per_token  # noqa: E402
+from supervisor.spec import RunSpec  # noqa: E402
+
+WARMUP = 5
+
+
+def gpt(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    steps: int,
+    mbs: int,
+    gbs: int,
+    vocab: int = 32768,
+) -> dict:
+    return {
+        "name": name,
+        "model": {
+            "num_layers": layers,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "seq_length": seq,
+            "vocab_size": vocab,
+            "precision": "bf16",
+        },
+        "parallelism": {"tensor": tp, "pipeline": pp, "data": dp},
+        "resources": {"nodes": 1, "gpus_per_node": tp * pp * dp},
+        "training": {
+            "train_steps": steps,
+            "micro_batch_size": mbs,
+            "global_batch_size": gbs,
+            "lr": 3e-4,
+            "min_lr": 3e-5,
+            "lr_warmup_steps": 5,
+            "log_interval": 1,
+        },
+        "checkpoint": {"interval_steps": 10_000, "keep_last": 1},
+    }
+
+
+def _events(log: Path) -> list[dict]:
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"event"' in line:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return out
+
+
+def run(
+    work: Path,
+    spec: dict,
+    extra: list[str],
+    env: dict,
+    baseline_steps: int | None = None,
+    timeout: float = 400,
+) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path = work / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    nproc = spec["resources"]["gpus_per_node"]
+    if baseline_steps:
+        entry = (str(ROOT / "benchmarks" / "train_baseline.py"),)
+        args = ["--spec", str(spec_path), "--steps", str(baseline_steps)]
+    else:
+        entry = ("-m", "megatron_runs.train")
+        args = ["--spec", str(spec_path), "--checkpoint-dir", str(work / "ckpt"), *extra]
+    t0 = time.time()
+    lr = launch(args, nproc, work / "logs", env=env, entry=entry)
+    try:
+        codes = lr.wait(timeout)
+    except TimeoutError:
+        codes = ["timeout"]
+    events = _events(work / "logs" / "rank0.log")
+    steps = [e for e in events if e["event"] == "step"]
+    times = [e["step_time"] for e in steps[WARMUP:]]
+    rs = RunSpec.model_validate(spec)
+    tokens = rs.training.global_batch_size * rs.model.seq_length
+    med = statistics.median(times) if times else math.nan
+    world = nproc
+    result = {
+        "name": spec["name"],
+        "codes": codes,
+        "wall_s": round(time.time() - t0, 1),
+        "steps": len(steps),
+        "step_time_median_s": med,
+        "step_time_min_s": min(times) if times else math.nan,
+        "tokens_per_s_per_gpu": tokens / med / world if times else math.nan,
+        "mfu": flops_per_token(rs) * tokens / (med * world * H100_BF16_PEAK) if times else math.nan,
+        "losses": [e.get("loss") for e in steps],
+        "replica_mismatch_events": sum(e["event"] == "replica_mismatch" for e in events),
+        "checkpoint_s": [e.get("seconds") for e in events if e["event"] == "checkpoint_saved"],
+    }
+    if codes != [0] * nproc:
+        result["log_tail"] = (work / "logs" / "rank0.log").read_text(errors="replace")[-3000:]
+    return result
+
+
+def tpcheck(out: Path, env: dict) -> dict:
+    small = dict(layers=12, hidden=768, heads=12, seq=1024, steps=50, mbs=4, gbs=32)
+    a = run(out / "tp2pp2", gpt("tp2pp2", tp=2, pp=2, dp=1, **small), [], env)
+    b = run(out / "tp1dp4", gpt("tp1dp4", tp=1, pp=1, dp=4, **small), [], env)
+    diffs = [
+        abs(x - y)
+        for x, y in zip(a["losses"], b["losses"], strict=False)
+        if x is not None and y is not None
+    ]
+    return {
+        "tp2pp2": a,
+        "tp1dp4": b,
+        "max_abs_loss_diff": max(diffs) if diffs else None,
+        "final_losses": [a["losses"][-1:], b["losses"][-1:]],
+    }
+
+
+def big(out: Path, env: dict, name: str, tp: int, dp: int, mbs: int, steps: int) -> dict:
+    spec = gpt(
+        name,
+        layers=24,
+        hidden=2048,
+        heads=16,
+        seq=2048,
+        tp=tp,
+        pp=1,
+        dp=dp,
+        steps=steps,
+        mbs=mbs,
+        gbs=64,
+    )
+    res = {"baseline": run(out / f"{name}-base", spec, [], env, baseline_steps=steps)}
+    res["train_no_hooks"] = run(
+        out / f"{name}-nohooks", spec, [], {**env, "NIGHTWATCH_REPLICA_CHECK_EVERY": "0"}
+    )
+    res["train_hooks"] = run(out / f"{name}-hooks", spec, ["--metrics-port", "0"], env)
+    base = res["train_no_hooks"]["step_time_median_s"]
+    res["hook_overhead_ratio"] = res["train_hooks"]["step_time_median_s"] / base - 1
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", nargs="+", choices=["tpcheck", "dp4", "tp2"], required=True)
+    ap.add_argument("--out", type=Path, required=True, help="work dir (checkpoints, logs)")
+    ap.add_argument("--results", type=Path, help="results JSON (default OUT/results.json)")
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--mbs", type=int, default=8)
+    args = ap.parse_args()
+    import torch
+
+    env = {"NIGHTWATCH_HOME": str(args.out / "home"), "PYTHONWARNINGS": "ignore"}
+    results = {
+        "device": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+    }
+    for phase in args.phase:
+        t0 = time.time()
+        if phase == "tpcheck":
+            results[phase] = tpcheck(args.out / phase, env)
+        else:
+            tp, dp = (1, 4) if phase == "dp4" else (2, 2)
+            results[phase] = big(args.out / phase, env, phase, tp, dp, args.mbs, args.steps)
+        results[phase + "_wall_s"] = round(time.time() - t0, 1)
+        (args.results or args.out / "results.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps({k: v for k, v in results.items()}, default=str)[:6000], flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The short chaos soak (≈ 5-7 min) on the real stack, asserting what a short soak can show.
+
+Real SLURM (scripts/devcluster), real Prometheus, a PostgreSQL-backed supervisor and CPU
+Megatron-Core training; three fault kinds (data, crash, sick node). Runs as a subprocess so
+its cluster and supervisor are stopped whatever happens. Opt-in with NIGHTWATCH_SOAK=1 until
+it passes reliably (docs/benchmarks.md, "Chaos soak", says what blocks it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("NIGHTWATCH_SOAK") != "1", reason="short soak is opt-in: NIGHTWATCH_SOAK=1"
+    ),
+    pytest.mark.skipif(shutil.which("slurmctld") is None, reason="slurm-wlm not installed"),
+]
+
+
+def test_short_soak_cures_every_fault_and_matches_the_reference(tmp_path: Path) -> None:
+    seed = os.environ.get("NIGHTWATCH_SOAK_SEED", "3")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "chaos_soak.py"), "--short", "--seed", seed,
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=1800, cwd=REPO,
+    )  # fmt: skip
+    results = list(tmp_path.glob("*/result.json"))
+    assert results, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(results[0].read_text())
+    nw = next(s for s in result["scores"] if s["system"] == "nightwatch")
+    context = proc.stdout[-3000:]
+    for fault in nw["faults"]:
+        assert fault["triggered"], (fault, context)
+        assert fault["right_action"], (fault, context)
+        assert fault["recovered"], (fault, context)
+    assert nw["reached_target"], context
+    assert nw["loss_rel_diff"] is not None and nw["loss_rel_diff"] <= 0.02, context
+    assert nw["escalations"] == 0, context
+    assert result["acceptance_failed"] == [], context

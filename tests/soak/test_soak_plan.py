@@ -1,0 +1,70 @@
+"""The soak's run spec, modes and baseline job script, checked without any service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.chaos_soak import Mode, acceptance, mode_from_args, parse_args, soak_spec
+from benchmarks.soak.baseline import sbatch_script
+from benchmarks.soak.faults import elapsed_minutes, truncate_largest
+from benchmarks.soak.schedule import SHORT_KINDS, FaultKind, SoakShape, draw
+from benchmarks.soak.score import SystemScore
+from supervisor.spec import RunSpec
+
+DATA = {"prefix": "/data/demo/text_document", "tokenizer": "/data/demo/tokenizer.json"}
+
+
+def test_modes() -> None:
+    short = mode_from_args(parse_args(["--short"]))
+    assert short.kinds == SHORT_KINDS and short.systems == ("nightwatch",)
+    clean = mode_from_args(parse_args(["--clean", "--minutes", "30", "--step-seconds", "0.5"]))
+    assert clean.kinds == () and clean.train_steps == 3600
+    full = mode_from_args(parse_args(["--faults", "hang,walltime", "--steps", "300"]))
+    assert full.kinds == (FaultKind.HANG, FaultKind.WALLTIME)
+    assert full.systems == ("nightwatch", "baseline") and full.train_steps == 300
+
+
+def test_soak_spec_is_a_valid_run_with_the_schedules_faults() -> None:
+    mode = Mode(tuple(FaultKind), 1200, 20, ("nightwatch", "baseline"))
+    nodes = tuple(f"n{i}" for i in range(1, 8))
+    schedule = draw(4, SoakShape(1200, 20, 8, 4, nodes, 2), mode.kinds)
+    spec = RunSpec.model_validate(soak_spec(mode, schedule, DATA))
+    assert spec.layout_problems() == []
+    assert spec.parallelism.world_size == spec.resources.world_size == 4
+    assert len(spec.faults) == 4  # poison + three sick nodes
+    assert spec.recovery.max_excluded_nodes == 4
+
+
+def test_baseline_script_requeues_and_resumes_the_same_program(tmp_path: Path) -> None:
+    spec = soak_spec(Mode((), 100, 10, ()), None, DATA)
+    text = sbatch_script(spec, tmp_path / "spec.json", tmp_path, "baseline")
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=USR2@90" in text
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=2" in text
+    assert "-m megatron_runs.train" in text and '--attempt "$SLURM_RESTART_COUNT"' in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "--resume-step" not in text  # resumes from `latest`, like Megatron's auto-resume
+
+
+def test_walltime_and_corruption_helpers(tmp_path: Path) -> None:
+    assert elapsed_minutes("0:40") == 0
+    assert elapsed_minutes("5:30") == 5
+    assert elapsed_minutes("1:02:03") == 62
+    assert elapsed_minutes("1-00:00:10") == 1440
+    (tmp_path / "nightwatch.json").write_text("{}")
+    (tmp_path / "big.distcp").write_bytes(b"x" * 100)
+    (tmp_path / "small.distcp").write_bytes(b"x" * 10)
+    assert truncate_largest(tmp_path) == tmp_path / "big.distcp"
+    assert (tmp_path / "big.distcp").stat().st_size == 50
+
+
+def test_acceptance_names_what_failed() -> None:
+    ok = SystemScore(
+        "nightwatch", 100.0, 150, 150, True, 150, 0, 0.5, 0.9, 6.0, 6.05, 0.008, 0, 0, 0, 0, []
+    )
+    assert acceptance(ok, clean=True) == []
+    bad = SystemScore(
+        "nightwatch", 100.0, 90, 150, False, 90, 0, 0.5, 0.9, 6.0, 7.0, 0.14, 2, 1, 0, 1, []
+    )
+    failed = acceptance(bad, clean=True)
+    assert any("step 90" in f for f in failed) and any("escalation" in f for f in failed)
+    assert any("2 remedies" in f for f in failed)

@@ -1,0 +1,127 @@
+"""Scoring on recorded progress: fault windows, MTTR, steps lost, ETTR, loss vs reference."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from benchmarks.soak.progress import (
+    Progress,
+    StartEvent,
+    StepEvent,
+    final_trajectory,
+    parse_lines,
+)
+from benchmarks.soak.schedule import FaultKind, ScheduledFault
+from benchmarks.soak.score import (
+    Injection,
+    Remedy,
+    comparison,
+    score_system,
+    steps_lost,
+)
+
+
+def run(segments: list[tuple[float, int, int, str]], loss=lambda s: 10.0 / (1 + s)) -> Progress:
+    """(start time, from step, to step, incarnation) segments at one step per second."""
+    p = Progress()
+    for t0, first, last, inc in segments:
+        p.starts.append(StartEvent(t0, first, inc))
+        for i, step in enumerate(range(first + 1, last + 1)):
+            p.steps.append(StepEvent(t0 + 1 + i, step, loss(step), inc))
+    p.starts.sort(key=lambda e: e.t)
+    p.steps.sort(key=lambda e: e.t)
+    return p
+
+
+REF = run([(0.0, 0, 100, "1/1")])
+POISON = Injection(ScheduledFault(FaultKind.POISON_DATA, 41, {}), None)
+CRASH = Injection(ScheduledFault(FaultKind.RANK_CRASH, 80, {"rank": 1}), 200.0)
+
+
+def test_parse_keeps_starts_and_steps_of_the_trainer_log() -> None:
+    lines = [
+        "submitit INFO starting",
+        json.dumps({"ts": 5, "event": "train_start", "step": 20, "attempt": 2, "job_id": "7"}),
+        json.dumps(
+            {
+                "ts": 6,
+                "event": "step",
+                "step": 21,
+                "loss": "nan",
+                "attempt": 2,
+                "job_id": "7",
+                "skipped_update": True,
+            }
+        ),
+        '{"ts": 7, "event": "step", "step": 22, "lo',  # torn line
+    ]
+    p = parse_lines(lines)
+    assert [s.step for s in p.starts] == [20] and p.starts[0].incarnation == "7/2"
+    (ev,) = p.steps
+    assert ev.bad and math.isnan(ev.loss)
+
+
+def test_final_trajectory_is_cut_back_at_each_resume() -> None:
+    p = run([(0, 0, 50, "1/1"), (60, 40, 100, "2/2")])
+    traj = final_trajectory(p)
+    assert sorted(traj) == list(range(1, 101))
+    assert traj[45].incarnation == "2/2" and traj[40].incarnation == "1/1"
+    assert steps_lost(p, p.starts[1:]) == 10
+
+
+def test_rollback_fault_scored_against_reference() -> None:
+    # poisoned at step 41 (its step began at t=40), rollback decided at t=52, restart at
+    # t=60 from step 40, first good step at t=61; a crash injected at t=200 restarts at 205.
+    p = run([(0, 0, 50, "1/1"), (60, 40, 80, "2/2"), (205, 70, 100, "3/3")])
+    nw = score_system(
+        "nightwatch",
+        injections=[POISON, CRASH],
+        progress=p,
+        remedies=[Remedy(52.0, "rollback"), Remedy(203.0, "restart")],
+        escalations=0,
+        submit_t=-2.0,
+        end_t=240.0,
+        target_steps=100,
+        reference=REF,
+        reference_submit_t=-2.0,
+    )
+    poison, crash = nw.faults
+    assert poison.detected and poison.cured_by == "rollback" and poison.right_action
+    assert poison.fault_t == 40 and poison.detection_latency_s == 12
+    assert poison.recovered and poison.mttr_s == 21 and poison.steps_lost == 10
+    assert crash.right_action and crash.mttr_s == 6 and crash.steps_lost == 10
+    assert nw.reached_target and nw.bad_steps_kept == 0 and nw.false_positives == 0
+    assert nw.loss_rel_diff == 0.0
+    assert nw.ettr == 100 * 1.0 / 242  # 100 good steps × 1 s / wall
+    assert nw.ettr_vs_reference == 102 / 242
+    text = comparison([nw])
+    assert "rollback" in text and "ETTR" in text
+
+
+def test_baseline_that_never_restarts_is_not_detected_and_keeps_bad_steps() -> None:
+    p = run([(0, 0, 100, "1/1")], loss=lambda s: math.nan if 41 <= s <= 42 else 1.0)
+    for i, e in enumerate(p.steps):
+        if e.step in (41, 42):
+            p.steps[i] = StepEvent(e.t, e.step, e.loss, e.incarnation, skipped_update=True)
+    base = score_system(
+        "baseline", injections=[POISON], progress=p, remedies=[], escalations=0,
+        submit_t=0.0, end_t=101.0, target_steps=100, reference=REF, reference_submit_t=0.0,
+    )  # fmt: skip
+    (poison,) = base.faults
+    assert not poison.detected and not poison.right_action and not poison.recovered
+    assert base.bad_steps_kept == 2 and base.good_steps == 98
+
+
+def test_infra_fault_right_action_is_no_remedy_and_untriggered_is_reported() -> None:
+    prom = Injection(ScheduledFault(FaultKind.PROMETHEUS_RESTART, 30, {"down_s": 10}), 30.5)
+    never = Injection(ScheduledFault(FaultKind.NODE_DEATH, 500, {"node": "n2"}), None)
+    s = score_system(
+        "nightwatch", injections=[prom, never], progress=REF,
+        remedies=[Remedy(35.0, "restart")], escalations=0, submit_t=0.0, end_t=101.0,
+        target_steps=100, reference=REF, reference_submit_t=0.0,
+    )  # fmt: skip
+    prom_score, never_score = s.faults
+    assert prom_score.detected and not prom_score.right_action  # a remedy while Prometheus was down
+    assert s.false_positives == 1
+    assert not never_score.triggered and never_score.note == "not triggered"

@@ -1,0 +1,87 @@
+"""Checkpoint metadata, verification, publish and retention — torch-free by contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_runs import checkpointing as ck
+
+LAYOUT = {"tensor": 2, "pipeline": 2, "data": 1}
+
+
+def _fake_ckpt(root: Path, step: int, publish: bool = True) -> Path:
+    tmp = ck.tmp_dir(root, step)
+    tmp.mkdir(parents=True)
+    (tmp / "__0_0.distcp").write_bytes(b"x" * (100 + step))
+    (tmp / "common.pt").write_bytes(b"y" * 10)
+    ck.write_meta(tmp, step, consumed_samples=8 * step, loss=2.5, layout=LAYOUT)
+    return ck.publish(root, step) if publish else tmp
+
+
+def test_importable_without_torch() -> None:
+    code = "import sys, megatron_runs.checkpointing; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_publish_writes_meta_and_latest_last(tmp_path: Path) -> None:
+    path = _fake_ckpt(tmp_path, 3)
+    meta = json.loads((path / ck.META_NAME).read_text())
+    assert meta["step"] == 3 and meta["consumed_samples"] == 24 and meta["complete"] is True
+    assert meta["layout"] == LAYOUT and meta["files"] == {"__0_0.distcp": 103, "common.pt": 10}
+    assert ck.read_latest(tmp_path) == 3
+    assert not ck.tmp_dir(tmp_path, 3).exists()
+    [info] = ck.list_checkpoints(tmp_path)
+    assert (info.step, info.consumed_samples, info.loss, info.complete) == (3, 24, 2.5, True)
+
+
+def test_truncated_newest_is_skipped_for_previous(tmp_path: Path) -> None:
+    _fake_ckpt(tmp_path, 2)
+    newest = _fake_ckpt(tmp_path, 4)
+    with (newest / "__0_0.distcp").open("r+b") as f:
+        f.truncate(10)
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [2]
+    assert ck.newest_complete(tmp_path).step == 2
+    bad = ck.read_info(newest)
+    assert not bad.complete and "__0_0.distcp has 10 bytes" in bad.problem
+    assert ck.read_latest(tmp_path) == 4  # the marker alone is not trusted
+
+
+def test_missing_or_incomplete_meta_is_not_a_candidate(tmp_path: Path) -> None:
+    _fake_ckpt(tmp_path, 1)
+    partial = ck.step_dir(tmp_path, 5)
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"z")
+    assert ck.read_info(partial).problem == f"{ck.META_NAME} missing"
+    other = _fake_ckpt(tmp_path, 6)
+    meta = json.loads((other / ck.META_NAME).read_text())
+    (other / ck.META_NAME).write_text(json.dumps({**meta, "complete": False}))
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [1]
+    assert ck.newest_complete(tmp_path, at_most=0) is None
+
+
+def test_publish_refuses_unverified_temp_dir(tmp_path: Path) -> None:
+    tmp = _fake_ckpt(tmp_path, 7, publish=False)
+    (tmp / "common.pt").write_bytes(b"")
+    try:
+        ck.publish(tmp_path, 7)
+    except RuntimeError as exc:
+        assert "common.pt" in str(exc)
+    else:
+        raise AssertionError("publish accepted a checkpoint whose file shrank")
+    assert ck.read_latest(tmp_path) is None
+
+
+def test_retention_keeps_last_complete_and_drops_stale(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4):
+        _fake_ckpt(tmp_path, step)
+    ck.tmp_dir(tmp_path, 9).mkdir()
+    removed = ck.retain(tmp_path, keep_last=2)
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [3, 4]
+    assert ck.tmp_dir(tmp_path, 9) in removed
+
+
+def test_list_of_missing_dir_is_empty(tmp_path: Path) -> None:
+    assert ck.list_checkpoints(tmp_path / "nope") == []

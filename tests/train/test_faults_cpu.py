@@ -1,0 +1,60 @@
+"""Injected faults in a real single-rank run: each shows up as its cause predicts."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from train_helpers import spec_dict
+
+from megatron_runs import exitcodes
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _one_rank(faults: list[dict], steps: int = 4) -> dict:
+    return spec_dict(
+        "faults1", tp=1, pp=1, dp=1, steps=steps, interval=100, faults=faults, layers=2
+    )
+
+
+SICK = [
+    {"kind": "poison_data", "start_sample": 8, "end_sample": 16, "effect": "spike"},
+    {"kind": "node", "node": "n-sick", "effect": "nan_grads", "after_step": 3},
+    {"kind": "node", "node": "n-other", "effect": "crash", "after_step": 2},
+]
+
+
+def test_spike_and_nan_grads_on_the_sick_node_keep_the_run_alive(run_train, tmp_path) -> None:
+    run = run_train(_one_rank(SICK), tmp_path / "ck", env={"SLURMD_NODENAME": "n-sick"})
+    assert run.wait(240) == [exitcodes.OK]  # n-other's crash is not this node's
+    steps = {e["step"]: e for e in run.events() if e["event"] == "step"}
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert steps[2]["loss"] > 5 * steps[1]["loss"]  # samples 8..15 are garbage
+    assert all(math.isfinite(steps[s]["grad_norm"]) for s in (1, 2))
+    for s in (3, 4):  # NaN grads: update skipped, loss still finite, run goes on
+        assert steps[s]["skipped_update"] and math.isnan(steps[s]["grad_norm"])
+        assert math.isfinite(steps[s]["loss"])
+
+
+def test_node_crash_recurs_on_that_node(run_train, tmp_path) -> None:
+    run = run_train(_one_rank(SICK), tmp_path / "ck", env={"SLURMD_NODENAME": "n-other"})
+    assert run.wait(240) == [exitcodes.INJECTED_CRASH]
+    assert [e["step"] for e in run.events() if e["event"] == "step"] == [1]
+
+
+def test_node_hang_stops_step_progress(run_train, tmp_path) -> None:
+    faults = [{"kind": "node", "node": "n-hang", "effect": "hang", "after_step": 2}]
+    run = run_train(_one_rank(faults), tmp_path / "ck", env={"SLURMD_NODENAME": "n-hang"})
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and not run.losses():
+            assert run.procs[0].poll() is None, run.logs[0].read_text()[-2000:]
+            time.sleep(0.2)
+        assert list(run.losses()) == [1]
+        time.sleep(3)
+        assert run.procs[0].poll() is None and list(run.losses()) == [1]
+        assert any(e["event"] == "injected_hang" for e in run.events())
+    finally:
+        run.kill()

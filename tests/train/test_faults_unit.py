@@ -1,0 +1,69 @@
+"""Fault selection and effects, from the spec only and tied to their cause."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from train_helpers import spec_dict
+
+from megatron_runs.faults import Faults
+from supervisor.spec import RunSpec
+
+FAULTS = [
+    {"kind": "poison_data", "start_sample": 40, "end_sample": 48, "effect": "nan"},
+    {"kind": "poison_data", "start_sample": 100, "end_sample": 101},
+    {"kind": "node", "node": "n2", "effect": "nan_grads", "after_step": 5},
+    {"kind": "node", "node": "n2", "effect": "slow", "slow_factor": 4.0},
+    {"kind": "node", "node": "n3", "effect": "crash"},
+    {"kind": "crash", "step": 7, "rank": 1},
+    {"kind": "corrupt_checkpoint", "step": 6},
+]
+
+
+def _faults(node: str, rank: int = 0, attempt: int = 0) -> Faults:
+    spec = RunSpec.model_validate(spec_dict("f", faults=FAULTS))
+    return Faults.for_process(spec, node, rank, attempt)
+
+
+def test_no_faults_section_means_no_effects() -> None:
+    f = Faults.for_process(RunSpec.model_validate(spec_dict("f")), "n2", 1, 0)
+    assert f.poison_effect(42) is None and not f.nan_grads(10) and f.slow_delay(10, 1.0) == 0
+
+
+def test_poison_is_tied_to_sample_indices() -> None:
+    f = _faults("n1")
+    assert [f.poison_effect(g) for g in (39, 40, 47, 48, 100)] == [
+        None,
+        "nan",
+        "nan",
+        None,
+        "spike",
+    ]
+
+
+def test_node_faults_follow_the_node_name_and_after_step() -> None:
+    sick, healthy = _faults("n2"), _faults("n1")
+    assert not sick.nan_grads(4) and sick.nan_grads(5) and sick.nan_grads(500)
+    assert not healthy.nan_grads(5)
+    assert sick.slow_delay(1, 0.5) == 1.5  # a step of 0.5 s takes 4 × 0.5 s
+    assert healthy.slow_delay(1, 0.5) == 0.0
+    assert _faults("n3").node_effects(0) == {"crash"}
+
+
+def test_one_shot_faults_only_in_attempt_zero_and_on_their_rank() -> None:
+    assert _faults("n1", rank=1, attempt=0).crash
+    assert not _faults("n1", rank=0, attempt=0).crash
+    assert not _faults("n1", rank=1, attempt=1).crash
+    assert _faults("n1", attempt=0).corrupt and not _faults("n1", attempt=1).corrupt
+    assert _faults("n3", attempt=3).node  # node faults recur on every attempt
+
+
+def test_corrupt_truncates_the_largest_file_of_that_step(tmp_path: Path) -> None:
+    (tmp_path / "big.distcp").write_bytes(b"a" * 1000)
+    (tmp_path / "small.pt").write_bytes(b"b" * 10)
+    (tmp_path / "nightwatch.json").write_text("{}")
+    f = _faults("n1")
+    assert f.corrupt_after_publish(4, tmp_path) is None
+    assert f.corrupt_after_publish(6, tmp_path) == tmp_path / "big.distcp"
+    assert (tmp_path / "big.distcp").stat().st_size == 500
+    assert (tmp_path / "small.pt").stat().st_size == 10
