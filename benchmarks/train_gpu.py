@@ -124,6 +124,7 @@ def run(
         "tokens_per_s_per_gpu": tokens / med / world if times else math.nan,
         "mfu": flops_per_token(rs) * tokens / (med * world * H100_BF16_PEAK) if times else math.nan,
         "losses": [e.get("loss") for e in steps],
+        "replica_checks_ok": sum(e["event"] == "replica_check" for e in events),
         "replica_mismatch_events": sum(e["event"] == "replica_mismatch" for e in events),
         "checkpoint_s": [e.get("seconds") for e in events if e["event"] == "checkpoint_saved"],
     }
@@ -149,7 +150,9 @@ def tpcheck(out: Path, env: dict) -> dict:
     }
 
 
-def big(out: Path, env: dict, name: str, tp: int, dp: int, mbs: int, steps: int) -> dict:
+def big(
+    out: Path, env: dict, name: str, tp: int, dp: int, mbs: int, steps: int, variants: list[str]
+) -> dict:
     spec = gpt(
         name,
         layers=24,
@@ -163,13 +166,18 @@ def big(out: Path, env: dict, name: str, tp: int, dp: int, mbs: int, steps: int)
         mbs=mbs,
         gbs=64,
     )
-    res = {"baseline": run(out / f"{name}-base", spec, [], env, baseline_steps=steps)}
-    res["train_no_hooks"] = run(
-        out / f"{name}-nohooks", spec, [], {**env, "NIGHTWATCH_REPLICA_CHECK_EVERY": "0"}
-    )
-    res["train_hooks"] = run(out / f"{name}-hooks", spec, ["--metrics-port", "0"], env)
-    base = res["train_no_hooks"]["step_time_median_s"]
-    res["hook_overhead_ratio"] = res["train_hooks"]["step_time_median_s"] / base - 1
+    res: dict = {"micro_batch_size": mbs}
+    if "baseline" in variants:
+        res["baseline"] = run(out / f"{name}-base", spec, [], env, baseline_steps=steps)
+    if "nohooks" in variants:
+        res["train_no_hooks"] = run(
+            out / f"{name}-nohooks", spec, [], {**env, "NIGHTWATCH_REPLICA_CHECK_EVERY": "0"}
+        )
+    if "hooks" in variants:
+        res["train_hooks"] = run(out / f"{name}-hooks", spec, ["--metrics-port", "0"], env)
+    if "train_no_hooks" in res and "train_hooks" in res:
+        base = res["train_no_hooks"]["step_time_median_s"]
+        res["hook_overhead_ratio"] = res["train_hooks"]["step_time_median_s"] / base - 1
     return res
 
 
@@ -180,6 +188,12 @@ def main() -> None:
     ap.add_argument("--results", type=Path, help="results JSON (default OUT/results.json)")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--mbs", type=int, default=8)
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["baseline", "nohooks", "hooks"],
+        choices=["baseline", "nohooks", "hooks"],
+    )
     args = ap.parse_args()
     import torch
 
@@ -195,8 +209,11 @@ def main() -> None:
             results[phase] = tpcheck(args.out / phase, env)
         else:
             tp, dp = (1, 4) if phase == "dp4" else (2, 2)
-            results[phase] = big(args.out / phase, env, phase, tp, dp, args.mbs, args.steps)
-        results[phase + "_wall_s"] = round(time.time() - t0, 1)
+            key = f"{phase}_mbs{args.mbs}"
+            results[key] = big(
+                args.out / key, env, phase, tp, dp, args.mbs, args.steps, args.variants
+            )
+        results[f"{phase}_wall_s"] = round(time.time() - t0, 1)
         (args.results or args.out / "results.json").write_text(json.dumps(results, indent=1))
         print(json.dumps({k: v for k, v in results.items()}, default=str)[:6000], flush=True)
 

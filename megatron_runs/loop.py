@@ -37,7 +37,7 @@ from megatron_runs.data import MicroBatch, TokenStream, build_microbatches, to_d
 from megatron_runs.data_prep import prepare  # noqa: E402
 from megatron_runs.faults import Faults  # noqa: E402
 from megatron_runs.metrics import StepReport, TrainMetrics  # noqa: E402
-from megatron_runs.model import build_gpt, transformer_config  # noqa: E402
+from megatron_runs.model import build_gpt, init_layout_independent, transformer_config  # noqa: E402
 from megatron_runs.sampling import rank_slice, take_step  # noqa: E402
 from megatron_runs.schedule import flops_per_token, lr_at, peak_flops  # noqa: E402
 from megatron_runs.train import TrainContext, TrainResult, nightwatch_home  # noqa: E402
@@ -109,10 +109,11 @@ def _data_prefix(spec: RunSpec) -> str:
 
 
 def _build_model(spec: RunSpec, bf16: bool) -> tuple[list, object]:
-    config = transformer_config(spec, torch.bfloat16 if bf16 else torch.float32, use_cpu_init=True)
+    config = transformer_config(spec, torch.bfloat16 if bf16 else torch.float32, use_cpu_init=CPU)
     model = build_gpt(spec, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     if not CPU:
         model.cuda(torch.cuda.current_device())
+    init_layout_independent(model, config, spec.training.seed)
     if bf16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
@@ -288,8 +289,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
             mismatch = replicas.check(model, device)
             if metrics is not None:
                 metrics.on_replica_check(mismatch)
-            if mismatch:
-                log("replica_mismatch", step=step)
+            log("replica_mismatch" if mismatch else "replica_check", step=step)
         final = step >= target or stop_requested
         if step % spec.checkpoint.interval_steps == 0 or final:
             _checkpoint(

@@ -65,7 +65,6 @@ PRIMARY_MARKER = "nightwatch_train_loss"
 QUERIED_FIELDS = (
     "step",
     "last_step_ts",
-    "target_steps",
     "loss",
     "loss_window_max",
     "loss_window_min",
@@ -75,10 +74,8 @@ QUERIED_FIELDS = (
     "tokens_per_second",
     "samples_consumed",
     "checkpoint_step",
-    "checkpoint_ts",
     "checkpoint_failures_total",
     "replica_mismatches_total",
-    "up",
 )
 _INT_FIELDS = frozenset({"step", "target_steps", "samples_consumed", "checkpoint_step"})
 _NAME_TO_FIELD = {name: f for f, name in RUN_FIELDS.items()}
@@ -191,57 +188,61 @@ def assemble(
 ) -> dict[RunKey, list[MetricSample]]:
     """Join per-metric series into per-run samples newer than `after[key]` (pure).
 
-    Samples of one scrape share its timestamp, so run-level values are joined on the primary
-    node's scrape times; each node's step time is its newest value at or before that time.
+    Samples of one scrape share its timestamp, so run-level values are joined on the scrape
+    times of the primary node (the one exporting the loss); each node's step time is its
+    newest value at or before that time. Other nodes' run-level series are ignored.
     """
     wanted = set(keys)
     after = after or {}
-    # key → node → time → {name: value}
-    by_key: dict[RunKey, dict[str, dict[float, dict[str, float]]]] = {}
-    for name, series in per_metric.items():
-        for s in series:
-            labels = s.labels
-            try:
-                key = (labels["run_id"], int(labels["attempt"]))
-            except (KeyError, ValueError):
-                continue
-            if key not in wanted:
-                continue
-            since = after.get(key, -math.inf)
-            times = by_key.setdefault(key, {}).setdefault(labels.get("node", ""), {})
-            for t, v in s.points:
-                if t > since or name == STEP_TIME:
-                    point = times.get(t)
-                    if point is None:
-                        times[t] = {name: v}
-                    else:
-                        point[name] = v
-    out: dict[RunKey, list[MetricSample]] = {}
-    for key, nodes in by_key.items():
-        primary = next(
-            (n for n in sorted(nodes) if any(PRIMARY_MARKER in v for v in nodes[n].values())),
-            None,
-        )
-        if primary is None:
+    rows: dict[RunKey, dict[float, dict[str, float]]] = {}
+    primary: dict[RunKey, str] = {}
+    for s in per_metric.get(PRIMARY_MARKER, ()):
+        key = _key(s.labels, wanted)
+        if key is None or key in primary:
             continue
-        step_times = {
-            n: sorted((t, v[STEP_TIME]) for t, v in times.items() if STEP_TIME in v)
-            for n, times in nodes.items()
-        }
+        primary[key] = s.labels.get("node", "")
         since = after.get(key, -math.inf)
-        samples = []
-        for t in sorted(nodes[primary]):
-            values = nodes[primary][t]
-            if t <= since or PRIMARY_MARKER not in values:
+        rows[key] = {t: {PRIMARY_MARKER: v} for t, v in s.points if t > since}
+    step_times: dict[RunKey, dict[str, list[tuple[float, float]]]] = {}
+    for name, series in per_metric.items():
+        if name == PRIMARY_MARKER:
+            continue
+        for s in series:
+            key = _key(s.labels, wanted)
+            if key is None or key not in primary:
                 continue
+            node = s.labels.get("node", "")
+            if name == STEP_TIME:
+                step_times.setdefault(key, {})[node] = sorted(s.points)
+                continue
+            if node != primary[key]:
+                continue
+            by_t = rows[key]
+            for t, v in s.points:
+                point = by_t.get(t)
+                if point is not None:
+                    point[name] = v
+    out: dict[RunKey, list[MetricSample]] = {}
+    for key, by_t in rows.items():
+        nodes = step_times.get(key, {})
+        samples = []
+        for t in sorted(by_t):
             per_node = {}
-            for n, pts in step_times.items():
+            for n, pts in nodes.items():
                 i = bisect.bisect_right(pts, (t, math.inf))
                 if i:
                     per_node[n] = pts[i - 1][1]
-            samples.append(build_sample(t, values, per_node))
+            samples.append(build_sample(t, by_t[t], per_node))
         out[key] = samples
     return out
+
+
+def _key(labels: Mapping[str, str], wanted: set[RunKey]) -> RunKey | None:
+    try:
+        key = (labels["run_id"], int(labels["attempt"]))
+    except (KeyError, ValueError):
+        return None
+    return key if key in wanted else None
 
 
 class PrometheusSource:

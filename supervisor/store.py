@@ -227,7 +227,9 @@ def transition_run(
     allowed = {s for s in allowed if can_transition(s, new)}
     if not allowed:
         return False
-    current = session.scalar(select(Run.state).where(Run.id == run_id))
+    # FOR UPDATE (PostgreSQL; SQLite write sessions already hold the lock) so the event names
+    # the state this update really replaced.
+    current = session.scalar(select(Run.state).where(Run.id == run_id).with_for_update())
     if current is None:
         session.rollback()
         raise NotFound(f"run {run_id} not found")
@@ -343,7 +345,10 @@ def create_attempt(
     exclude: list[str] | None = None,
 ) -> Attempt:
     """Record the next attempt (number = current_attempt + 1) and bump the run's counter."""
-    run = get_run(session, run_id)
+    run = session.get(Run, run_id, with_for_update=True)
+    if run is None:
+        session.rollback()
+        raise NotFound(f"run {run_id} not found")
     number = run.current_attempt + 1
     attempt = Attempt(
         run_id=run_id,

@@ -192,11 +192,13 @@ class Injector:
         if job.job_id is None:
             return "no job to preempt"
         job_id = job.job_id
+        started = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%S").strip()
         slurm(self.cluster, "scancel", "--signal=TERM", job_id)
 
         def finish() -> None:
-            state = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%T").strip()
-            if state == "RUNNING":
+            # Only the run that was preempted: a requeued job runs again with a new start time.
+            now = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%T|%S").strip()
+            if now == f"RUNNING|{started}":
                 cmd = ["scontrol", "requeue", job_id] if self.requeueable else ["scancel", job_id]
                 slurm(self.cluster, *cmd)
 
@@ -210,31 +212,21 @@ class Injector:
         if job.job_id is None:
             return "no job"
         job_id = job.job_id
-        times = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%M|%l")
-        used, limit = times.strip().split("|")
+        times = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%M|%l|%S")
+        used, limit, started = times.strip().split("|")
         minutes = elapsed_minutes(used) + 1
         slurm(self.cluster, "scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}")
         if self.requeueable:
 
             def requeued() -> bool:
-                state = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%T").strip()
-                return state in {"PENDING", "REQUEUED", "CONFIGURING"} or (
-                    state == "RUNNING"
-                    and elapsed_minutes(
-                        slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%M")
-                    )
-                    < minutes - 1
-                )
+                now = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%T|%S").strip()
+                return now != f"RUNNING|{started}"
+
+            def restore() -> None:
+                slurm(self.cluster, "scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}")
 
             self.followups.append(
-                FollowUp(
-                    time.time() + 5,
-                    "walltime limit restored",
-                    lambda: slurm(
-                        self.cluster, "scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}"
-                    ),
-                    ready=requeued,
-                )
+                FollowUp(time.time() + 5, "walltime limit restored", restore, ready=requeued)
             )
         return f"time limit of job {job_id} cut to {minutes} min (used {used}, was {limit})"
 

@@ -230,12 +230,15 @@ def _params(
             return {"node": node, "slow_factor": round(rng.uniform(2.5, 4.0), 2)}
         return {"node": node}
     if kind is FaultKind.POISON_DATA:
-        width = rng.randint(1, 2)
+        # A spike must last the detector's sustain window (RecoverySpec.loss_spike_sustain_steps,
+        # 3 by default) to be one by definition; NaN is caught at the first step.
+        effect = rng.choice(["spike", "nan"])
+        width = rng.randint(3, 5) if effect == "spike" else rng.randint(1, 2)
         gb = shape.global_batch_size
         return {
             "start_sample": (at - 1) * gb,
             "end_sample": (at - 1 + width) * gb,
-            "effect": rng.choice(["spike", "nan"]),
+            "effect": effect,
         }
     if kind is FaultKind.RANK_CRASH:
         return {"rank": rng.randrange(shape.world_size)}

@@ -215,7 +215,7 @@ def score_system(
     target_steps: int,
     reference: Progress | None,
     reference_submit_t: float | None,
-    loss_window: int = 16,
+    loss_window: int = 32,
 ) -> SystemScore:
     traj = final_trajectory(progress)
     final_step = max(traj, default=0)

@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -122,6 +123,7 @@ def demo(
     from supervisor.spec import RunSpec
     from supervisor.watchdog.reconciler import build_reconciler
 
+    warnings.filterwarnings("ignore")  # Megatron's optional-dependency notices are noise here
     home = (home or Path(tempfile.mkdtemp(prefix="nightwatch-demo-"))).resolve()
     home.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(home / "supervisor.log")

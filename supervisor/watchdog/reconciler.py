@@ -25,6 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from sqlalchemy import func, select
+from sqlalchemy.orm import defer
 
 from supervisor import store
 from supervisor.db import Database
@@ -285,6 +286,7 @@ class Reconciler:
         )
         self._specs: dict[str, RunSpec] = {}
         self._known_ckpt: dict[str, int] = {}
+        self._ckpt_dirs: dict[str, Path] = {}
         self._log_causes: dict[tuple[str, int], LogCause] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -330,7 +332,7 @@ class Reconciler:
             return result
         with self.db.session() as s:
             pending = list(store.runs_in_states(s, [RunState.PENDING]))
-            watched = list(store.runs_in_states(s, [*ACTIVE_RUN_STATES, RunState.NEEDS_ATTENTION]))
+            watched = self._watched_runs(s)
             attempts = self._current_attempts(s, [*pending, *watched])
             unfinished = self._unfinished_actions(s, [r.id for r in watched])
             incidents = self._open_incidents(s, [r.id for r in watched])
@@ -402,11 +404,22 @@ class Reconciler:
     # ------------------------------------------------------------------ batched reads
 
     @staticmethod
+    def _watched_runs(session: Any) -> list[Run]:
+        """Active and needs-attention runs, without their spec (parsed once, see `_spec`)."""
+        states = [*ACTIVE_RUN_STATES, RunState.NEEDS_ATTENTION]
+        return list(
+            session.scalars(
+                select(Run).options(defer(Run.spec_json)).where(Run.state.in_(states))
+            ).all()
+        )
+
+    @staticmethod
     def _current_attempts(session: Any, runs: Sequence[Run]) -> dict[str, Attempt]:
         if not runs:
             return {}
         rows = session.scalars(
             select(Attempt)
+            .options(defer(Attempt.skip_ranges_json), defer(Attempt.exclude_json))
             .join(Run, Run.id == Attempt.run_id)
             .where(Attempt.run_id.in_([r.id for r in runs]), Attempt.number == Run.current_attempt)
         ).all()
@@ -450,7 +463,9 @@ class Reconciler:
     def _spec(self, run: Run) -> RunSpec:
         spec = self._specs.get(run.id)
         if spec is None:
-            spec = self._specs[run.id] = RunSpec.model_validate(run.spec_json)
+            with self.db.session() as s:
+                raw = s.scalar(select(Run.spec_json).where(Run.id == run.id))
+            spec = self._specs[run.id] = RunSpec.model_validate(raw)
         return spec
 
     # ------------------------------------------------------------------ per run
@@ -483,7 +498,10 @@ class Reconciler:
         """Complete checkpoints on disk (oldest first); new ones are recorded in the DB."""
         from megatron_runs.checkpointing import list_checkpoints
 
-        infos = [c for c in list_checkpoints(checkpoint_dir(self.config.home, run.id, spec))]
+        folder = self._ckpt_dirs.get(run.id)
+        if folder is None:
+            folder = self._ckpt_dirs[run.id] = checkpoint_dir(self.config.home, run.id, spec)
+        infos = list_checkpoints(folder)
         known = self._known_ckpt.get(run.id, -1)
         for c in infos:
             if c.step > known:

@@ -40,7 +40,7 @@ def test_api_conforms_to_its_schema(
         "--generation-database", "none",
         "--workers", "2",
         "--seed", "1",
-        "--request-timeout", "20",
+        "--request-timeout", "60",
         "--suppress-health-check", "all",
         "--no-color",
     ]  # fmt: skip

@@ -108,3 +108,10 @@ def test_parse_kinds() -> None:
     with pytest.raises(ValueError, match="valid: poison_data"):
         parse_kinds("gremlins", SHORT_KINDS)
     assert FaultKind.SUPERVISOR_KILL in INFRA_FAULTS
+
+
+def test_spike_windows_last_the_detectors_sustain_steps() -> None:
+    for seed in range(30):
+        f = next(x for x in draw(seed, SHAPE, ALL).faults if x.kind is FaultKind.POISON_DATA)
+        steps = (f.params["end_sample"] - f.params["start_sample"]) // SHAPE.global_batch_size
+        assert steps >= (3 if f.params["effect"] == "spike" else 1)

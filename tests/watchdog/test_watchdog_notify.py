@@ -78,7 +78,8 @@ def test_gives_up_and_never_blocks_the_caller() -> None:
         started = time.perf_counter()
         for i in range(20):
             n.send(f"message {i}", run_id="r1")
-        assert time.perf_counter() - started < 0.1
+        # Blocking would take ≥ 20 × 0.3 s; allow a loaded CI box its thread start-up.
+        assert time.perf_counter() - started < 2.0
         n.close(timeout_s=0.1)
     finally:
         slow.close()

@@ -61,7 +61,7 @@ RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])
 def submit_run(
     spec: Annotated[RunSpec, Body(openapi_examples=SPEC_EXAMPLES)],
     session: WriteSessionDep,
-    token: SubmitToken,
+    caller: SubmitToken,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -74,13 +74,13 @@ def submit_run(
     ] = None,
 ) -> Any:
     """Validate the spec and its layout, then store the run (state `pending`)."""
-    if token.run_id is not None:
+    if caller.run_id is not None:
         raise HTTPException(403, "a per-run worker token cannot submit runs")
     report = layout_report(spec)
     if not report.ok:
         raise LayoutRejected(report.errors)
     run, created = store.create_run(
-        session, spec, created_by=token.token_id, idempotency_key=idempotency_key
+        session, spec, created_by=caller.token_id, idempotency_key=idempotency_key
     )
     return _json(
         RunOut.model_validate(run),

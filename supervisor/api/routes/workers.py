@@ -26,11 +26,11 @@ def register_endpoint(
     node: Annotated[str, Path(pattern=NODE_PATTERN, examples=["n1"])],
     body: EndpointIn,
     session: WriteSessionDep,
-    token: SubmitToken,
+    caller: SubmitToken,
 ) -> Response:
     """Called by local rank 0 of each node at start and every 10 s (the heartbeat)."""
-    if token.run_id is not None and token.run_id != run_id:
-        raise HTTPException(403, f"token {token.name!r} belongs to another run")
+    if caller.run_id is not None and caller.run_id != run_id:
+        raise HTTPException(403, f"token {caller.name!r} belongs to another run")
     store.register_endpoint(session, run_id, attempt, node, body.host, body.port)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
