@@ -55,6 +55,7 @@ class Mode:
     train_steps: int
     checkpoint_interval: int
     systems: tuple[str, ...]
+    distributed_optimizer: bool = True
 
 
 def mode_from_args(args: argparse.Namespace) -> Mode:
@@ -70,7 +71,7 @@ def mode_from_args(args: argparse.Namespace) -> Mode:
     systems = ("nightwatch",) if (args.clean or args.short) else ("nightwatch", "baseline")
     if args.systems:
         systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    return Mode(kinds, steps, args.checkpoint_interval, systems)
+    return Mode(kinds, steps, args.checkpoint_interval, systems, args.distributed_optimizer)
 
 
 def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> dict[str, Any]:
@@ -86,7 +87,12 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
             "vocab_size": 4096,
             "precision": "fp32",
         },
-        "parallelism": {"tensor": 1, "pipeline": 2, "data": 2, "distributed_optimizer": True},
+        "parallelism": {
+            "tensor": 1,
+            "pipeline": 2,
+            "data": 2,
+            "distributed_optimizer": mode.distributed_optimizer,
+        },
         "resources": {
             "nodes": JOB_NODES,
             "gpus_per_node": PER_NODE,
@@ -160,6 +166,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--short", action="store_true", help="≈ 5 minutes, 3 fault kinds")
     ap.add_argument("--clean", action="store_true", help="no faults: zero remedies expected")
     ap.add_argument("--systems", default=None, help="nightwatch,baseline (default by mode)")
+    ap.add_argument(
+        "--distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Megatron's distributed optimizer (off isolates the watchdog from resume bugs)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "out" / "soak")
     ap.add_argument("--base-port", type=int, default=17900, help="devcluster's first port")
     ap.add_argument("--budget-factor", type=float, default=3.0,

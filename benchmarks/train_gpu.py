@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -91,7 +92,8 @@ def run(
     baseline_steps: int | None = None,
     timeout: float = 400,
 ) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # never resume an earlier run's checkpoint
+    work.mkdir(parents=True)
     spec_path = work / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
     nproc = spec["resources"]["gpus_per_node"]

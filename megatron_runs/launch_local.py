@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,9 +23,22 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port below Linux's ephemeral range (32768+).
+
+    A port from bind(0) lies in the ephemeral range, and between closing it and rank 0's
+    TCPStore binding it the kernel may hand it to some process's outgoing connection
+    (seen as EADDRINUSE on a busy host). Ports below that range are never handed out so.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 @dataclass

@@ -1,13 +1,14 @@
-"""The one module that talks to SLURM (submitit, sbatch, sacct, sinfo, scontrol, scancel).
+"""The one module that talks to SLURM (submitit, sbatch, squeue, sacct, sinfo, scontrol, scancel).
 
 Why it is shaped like this: the supervisor must never mistake "I could not ask" for "the job is
 gone" (DESIGN rule 1), so every subprocess has a timeout and a failed query raises
-`SourceUnavailable`. State comes from one batched `sacct` per tick for all jobs, parsed by pure
-functions tested on captured text; submitit is used only to submit (pickling the worker), never
-for state, because it caches NODE_FAIL as final and swallows sacct errors. Jobs are submitted
-with `--no-requeue` unless the plan asks otherwise, so SLURM does not silently restart a job
-whose node failed: the supervisor decides. `LocalCluster` is the same interface over submitit's
-LocalExecutor (one node), the embedded default when no SLURM cluster answers.
+`SourceUnavailable`. State comes from one batched `squeue` per tick for all jobs (sacct only
+for jobs the controller has forgotten), parsed by pure functions tested on captured text.
+submitit is used only to submit (pickling the worker), never for state, because it caches
+NODE_FAIL as final and swallows sacct errors. Jobs are submitted with `--no-requeue` unless the
+plan asks otherwise, so SLURM does not silently restart a job whose node failed: the supervisor
+decides. `LocalCluster` is the same interface over submitit's LocalExecutor (one node), the
+embedded default when no SLURM cluster answers.
 """
 
 from __future__ import annotations
@@ -332,12 +333,6 @@ class SlurmCluster:
                 f"{shlex.join(cmd)} exited {out.returncode}: {out.stderr[-500:]}"
             )
         return out.stdout
-
-    def ping(self) -> bool:
-        try:
-            return "UP" in self._run(["scontrol", "ping"])
-        except SourceUnavailable:
-            return False
 
     def submit(self, request: JobRequest, fn: Callable[[], object]) -> Submission:
         request.log_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,10 @@
 
 A fault fires the first time training reaches its step (after a rollback the same steps come
 again; the fault does not fire twice). Spec-side faults need nothing from the driver: they are
-recorded as armed, and their time is read from the training log when scored.
+recorded as armed, and their time is read from the training log when scored. An external fault
+also waits `min_gap_s` after the previous fault: some take effect late (a cut walltime is
+enforced by slurmctld's periodic check) or last a while (a service restart), and two faults in
+one window could not be told apart.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from benchmarks.soak.schedule import ScheduledFault
 from benchmarks.soak.score import Injection, Remedy
 
 POLL_S = 0.5
+MIN_GAP_S = 30.0
 
 
 @dataclass
@@ -51,12 +55,14 @@ def drive(
     injector: Injector,
     deadline: float,
     say: Callable[[str], None],
+    min_gap_s: float = MIN_GAP_S,
 ) -> tuple[list[Injection], str]:
     """Run until `finished()` names a final state or the deadline passes."""
     pending = list(faults)
     done: list[Injection] = []
     state: str | None = None
     last_step = -1
+    last_fault_t = 0.0
     while True:
         now = time.time()
         progress = follower.poll()
@@ -65,16 +71,22 @@ def drive(
             say(f"step {step}")
         last_step = step
         while pending and step >= pending[0].at_step:
-            fault = pending.pop(0)
+            fault = pending[0]
             if fault.spec_side:
+                pending.pop(0)
+                last_fault_t = now
                 done.append(Injection(fault, None, "armed in spec"))
                 say(f"{fault.kind.value} at step {fault.at_step} (in spec)")
                 continue
+            if now - last_fault_t < min_gap_s:
+                break
+            pending.pop(0)
             try:
                 note = injector.inject(fault, current_job())
             except Exception as exc:  # a failed injection is a finding about the soak: record
                 note = f"injection failed: {exc}"
-            done.append(Injection(fault, time.time(), note))
+            last_fault_t = time.time()
+            done.append(Injection(fault, last_fault_t, note))
             say(f"{fault.kind.value} at step {step}: {note}")
         for label in injector.tick(now):
             say(label)

@@ -24,9 +24,10 @@ import typer
 from supervisor.cli._app import app
 
 # Global batch 8: step s reads samples [8(s-1), 8s). Checkpoints every 10 steps; the poisoned
-# window spans steps 36-47, so the watchdog must roll back to step 30 and skip it.
+# window spans steps 36-59 (longer than the metrics' 16-step window, so the spike is seen as
+# sustained however fast the steps run), so the watchdog must roll back to step 30 and skip it.
 BATCH = 8
-POISON = (35 * BATCH, 47 * BATCH)
+POISON = (35 * BATCH, 59 * BATCH)
 
 
 def demo_spec(steps: int, prefix: str, tokenizer: str) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def demo_spec(steps: int, prefix: str, tokenizer: str) -> dict[str, Any]:
         # Practice: skip well past the bad window (DOMAIN.md: hundreds of batches at scale).
         "recovery": {
             "loss_spike_sustain_steps": 2,
-            "rollback_skip_steps": 12,
+            "rollback_skip_steps": 24,
             "hang_floor_seconds": 120,
         },
         "faults": [
@@ -188,7 +189,7 @@ def demo(
             history = reconciler.source.history  # type: ignore[attr-defined]
             view = history.view((run_id, attempt), time.time())
             latest = view.latest
-            if latest is not None:
+            if latest is not None and latest.last_step_ts:
                 times = list(latest.step_time.values())
                 eta = (target - (latest.step or 0)) * statistics.median(times) if times else None
                 line = _progress(latest.step, target, latest.loss, eta) + f"  attempt {attempt}"

@@ -164,19 +164,6 @@ class Actuator:
         with self.db.write_session() as s:
             store.finish_action(s, key, ok=ok, result=result)
 
-    def unfinished(self, run_id: str) -> Action | None:
-        """A remedy whose intent was written but whose outcome was not (a crash mid-way)."""
-        with self.db.session() as s:
-            return s.scalar(
-                select(Action)
-                .where(
-                    Action.run_id == run_id,
-                    Action.state == ActionState.INTENT,
-                    Action.kind.in_([k.value for k in RemedyKind if k is not RemedyKind.NONE]),
-                )
-                .order_by(Action.id)
-            )
-
     # ------------------------------------------------------------------ submit
 
     def submit_attempt(

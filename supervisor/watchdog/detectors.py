@@ -43,10 +43,13 @@ def _finite(x: float | None) -> bool:
 
 
 def by_step(samples: Sequence[MetricSample]) -> list[MetricSample]:
-    """One sample per training step (the latest observation of it), oldest first."""
+    """One sample per training step (the latest observation of it), oldest first.
+
+    Samples from before the process finished its first step (last-step time still 0) carry
+    placeholder zeros, not measurements, and are left out."""
     out: list[MetricSample] = []
     for s in samples:
-        if s.step is None:
+        if s.step is None or s.last_step_ts == 0:
             continue
         if out and out[-1].step == s.step:
             out[-1] = s
@@ -411,8 +414,11 @@ def detect_checkpoint_problems(snap: Snapshot, rc: RecoverySpec) -> list[Finding
                 fault_time=latest.t,
             )
         )
-    if latest.step is not None and latest.checkpoint_step is not None:
-        behind = latest.step - latest.checkpoint_step
+    # A resumed process exports 0 until its first save: the checkpoint it resumed from, on
+    # disk, counts as well.
+    saved = [c for c in (latest.checkpoint_step, snap.disk_checkpoint_step) if c is not None]
+    if latest.step is not None and saved:
+        behind = latest.step - max(saved)
         limit = rc.checkpoint_stall_factor * snap.checkpoint_interval_steps
         if behind > limit:
             out.append(
@@ -422,11 +428,11 @@ def detect_checkpoint_problems(snap: Snapshot, rc: RecoverySpec) -> list[Finding
                     cause=Cause.INFRA,
                     evidence={
                         "step": latest.step,
-                        "checkpoint_step": latest.checkpoint_step,
+                        "checkpoint_step": max(saved),
                         "checkpoint_ts": latest.checkpoint_ts,
                     },
                     fault_time=latest.t,
-                    last_healthy_step=latest.checkpoint_step,
+                    last_healthy_step=max(saved),
                 )
             )
     return out

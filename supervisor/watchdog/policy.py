@@ -62,6 +62,11 @@ def _counted_restarts(remedies: Sequence[PastRemedy]) -> list[PastRemedy]:
     return [r for r in remedies if r.kind.resubmits and r.kind is not RemedyKind.REQUEUE]
 
 
+def restarts_in_window(history: RunHistory, rc: RecoverySpec, now: float) -> int:
+    """Restarts counted against the budget in the current window (for the budget gauge)."""
+    return len(_counted_restarts(_recent(history, rc, now)))
+
+
 def _escalate(reason: str, finding: Finding | None, suspect: Cause = Cause.UNKNOWN) -> Remedy:
     return Remedy(RemedyKind.ESCALATE, reason, finding=finding, suspect=suspect)
 

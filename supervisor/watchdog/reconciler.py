@@ -58,9 +58,14 @@ from supervisor.watchdog.actions import (
     attempt_log_dir,
     checkpoint_dir,
 )
-from supervisor.watchdog.detectors import EXIT_INJECTED_CRASH, EXIT_REQUEUE, detect_all
+from supervisor.watchdog.detectors import (
+    EXIT_INJECTED_CRASH,
+    EXIT_REQUEUE,
+    detect_all,
+    median_step_time,
+)
 from supervisor.watchdog.notify import Notifier
-from supervisor.watchdog.policy import decide, trusted_checkpoints
+from supervisor.watchdog.policy import decide, restarts_in_window, trusted_checkpoints
 from supervisor.watchdog.snapshot import (
     Cause,
     CheckpointRef,
@@ -617,6 +622,10 @@ class Reconciler:
         )
         if self.actuator.apply(ctx, remedy):
             self.metrics.remedies.labels(kind=remedy.kind.value).inc()
+        restarts = restarts_in_window(history, spec.recovery, now)
+        left = spec.recovery.max_restarts - restarts - int(remedy.kind.resubmits)
+        self.metrics.run_budget_left.labels(run_id=run.id).set(max(0, left))
+        self._export_ettr(run.id, view, now)
 
     def _resume(
         self,
@@ -789,6 +798,7 @@ class Reconciler:
             incidents.remove(incident)
             if incident.fault_ts is not None:
                 self.metrics.mttr.observe(max(0.0, recovered_t - incident.fault_ts.timestamp()))
+            self._export_ettr(run.id, view, now)
             log.info(
                 f"recovered from {incident.kind}, {lost} steps lost",
                 extra={"run_id": run.id, "attempt": attempt.number},
@@ -861,6 +871,31 @@ class Reconciler:
             later = [t for n, t in started.items() if n > (a.attempt or 0) and t is not None]
             out.append((int(to_step), min(later).timestamp() if later else None))
         return out
+
+    def _export_ettr(self, run_id: str, view: MetricsView, now: float) -> None:
+        """ETTR gauge, refreshed whenever the run's downtime changes (remedy, recovery)."""
+        with self.db.session() as s:
+            attempts = store.get_attempts(s, run_id)
+            lost = s.scalar(
+                select(func.coalesce(func.sum(Incident.steps_lost), 0)).where(
+                    Incident.run_id == run_id
+                )
+            )
+        running = [
+            accounting.Interval(
+                a.started_at.timestamp(), a.ended_at.timestamp() if a.ended_at else None
+            )
+            for a in attempts
+            if a.started_at is not None
+        ]
+        ettr = accounting.run_ettr(
+            running,
+            now=now,
+            steps_lost_total=int(lost or 0),
+            mean_step_s=median_step_time(view.samples) if view.samples else None,
+        )
+        if ettr is not None:
+            self.metrics.run_ettr.labels(run_id=run_id).set(ettr)
 
     def _export_run(self, run: Run, checkpoints: list[CheckpointRef], now: float) -> None:
         if checkpoints:

@@ -28,3 +28,14 @@ def test_two_nodes_two_tasks_train_to_completion(slurm, tmp_path, toy_spec, toy_
     for rank in range(4):
         assert f"toy: rank {rank}/4 on " in logs
     assert launcher.attempt_state(status) == "completed"
+
+
+def test_drain_and_resume_a_node(slurm):
+    node = sorted(slurm.nodes())[-1]
+    slurm.drain(node, "nightwatch test")
+    try:
+        info = slurm.nodes()[node]
+        assert info.state.startswith("drain") and info.reason == "nightwatch test"
+    finally:
+        slurm.resume_node(node)
+    assert slurm.nodes()[node].state.rstrip("*") in {"idle", "alloc", "mix"}

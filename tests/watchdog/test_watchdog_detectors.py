@@ -140,6 +140,10 @@ def test_replica_mismatch_and_checkpoint_problems(rc: RecoverySpec) -> None:
     assert kinds == {FindingKind.CHECKPOINT_FAILURE, FindingKind.CHECKPOINT_STALL}
     fine = simulate(9, steps=500)
     assert detect_checkpoint_problems(snapshot(fine), rc) == []
+    # Resumed from step 450 on disk: the new process exports 0 until it saves again.
+    resumed = [dataclasses.replace(s, checkpoint_step=0) for s in fine]
+    assert detect_checkpoint_problems(snapshot(resumed, disk_checkpoint_step=450), rc) == []
+    assert detect_checkpoint_problems(snapshot(resumed), rc) != []
 
 
 @pytest.mark.parametrize("health", [SourceHealth.DOWN, SourceHealth.STALE, SourceHealth.MISSING])
@@ -203,4 +207,7 @@ def test_by_step_dedupes_repeated_scrapes_and_restarts(rc: RecoverySpec) -> None
     assert [s.step for s in by_step(doubled)] == list(range(1, 21))
     restarted = samples[:10] + samples[:5]
     assert [s.step for s in by_step(restarted)] == [1, 2, 3, 4, 5]
+    # A resumed process before its first step: gauges at their placeholder zeros.
+    placeholder = dataclasses.replace(samples[0], step=10, loss=0.0, last_step_ts=0.0)
+    assert [s.step for s in by_step([placeholder, *samples[10:13]])] == [11, 12, 13]
     assert math.isfinite(samples[0].loss or math.nan)

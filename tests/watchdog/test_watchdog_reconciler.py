@@ -144,6 +144,8 @@ def test_nan_rolls_back_before_onset_skips_and_recovers(db: Database, tmp_path: 
     text = generate_latest(rec.registry).decode()
     assert "nightwatch_supervisor_mttr_seconds_count 1.0" in text
     assert 'nightwatch_supervisor_remedies_total{kind="rollback"} 1.0' in text
+    assert f'nightwatch_supervisor_run_recovery_budget_left{{run_id="{run_id}"}} 4.0' in text
+    assert f'nightwatch_supervisor_run_ettr_ratio{{run_id="{run_id}"}}' in text
 
 
 def test_replayed_remedy_is_a_noop(db: Database, tmp_path: Path) -> None:
