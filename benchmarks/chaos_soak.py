@@ -159,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=None, help="default: random, printed")
     ap.add_argument("--minutes", type=float, default=20.0, help="training length to aim for")
-    ap.add_argument("--step-seconds", type=float, default=0.5, help="expected CPU step time")
+    ap.add_argument("--step-seconds", type=float, default=0.25, help="expected CPU step time")
     ap.add_argument("--steps", type=int, default=None, help="train_steps (overrides --minutes)")
     ap.add_argument("--checkpoint-interval", type=int, default=10)
     ap.add_argument("--faults", default=None, help="comma-separated kinds (default: all)")
@@ -255,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     table = comparison(scores)
     say("\n" + table)
+    own = runs["nightwatch"].extra.get("report") if "nightwatch" in runs else None
+    if own and "ettr" in own:
+        say(
+            f"nightwatch's own report: ETTR {own['ettr']}, {len(own['incidents'])} incidents, "
+            f"{own['steps_lost']} steps lost, downtime {own['downtime_s']:.0f}s"
+        )
     failed = acceptance(scores[0], clean=schedule is None) if scores else ["nothing scored"]
     for line in failed:
         say(f"FAILED: {line}")

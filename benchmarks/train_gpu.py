@@ -1,7 +1,7 @@
 """GPU measurements of the training program (4 GPUs, NCCL, bf16); writes JSON results.
 
 Phases (each starts its own ranks through megatron_runs.launch_local):
-* tpcheck: a ~125M GPT for 50 steps as TP2×PP2 and as TP1×DP4 from the same (CPU-initialised,
+* tpcheck: a ~110M GPT for 50 steps as TP2×PP2 and as TP1×DP4 from the same (CPU-initialised,
   layout-independent) weights: max |Δloss| per step, and the replica checksum result
   (replica_mismatch events; TP-replicated params and DP replicas compared every 10 steps);
 * dp4 / tp2: the 1.3B GPT (24 × 2048, seq 2048, global batch 64) as DP4 or TP2×DP2, three

@@ -8,8 +8,8 @@ format: the default fails, and `dp_reshardable` cannot change TP/PP and resumes 
 from __future__ import annotations
 
 import os
+import queue
 import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,28 +19,6 @@ from megatron.core import dist_checkpointing
 from megatron_runs import checkpointing as ck
 
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
-_prewarm: threading.Thread | None = None
-
-
-def prewarm() -> None:
-    """Start dist_checkpointing's result-queue manager in the background.
-
-    The first save spawns a multiprocessing manager (a fresh interpreter) — the ~6 s fixed
-    cost of the first checkpoint. Started at setup, it overlaps model building instead.
-    """
-    global _prewarm
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if _prewarm is None:
-        _prewarm = threading.Thread(
-            target=filesystem_async.get_write_results_queue, name="ckpt-prewarm", daemon=True
-        )
-        _prewarm.start()
-
-
-def _await_prewarm() -> None:
-    if _prewarm is not None:
-        _prewarm.join()
 
 
 @dataclass(frozen=True)
@@ -73,6 +51,21 @@ def _state_dict(model: list, optimizer: object, is_loading: bool) -> dict:
     return sd
 
 
+def _in_process_results_queue() -> None:
+    """Keep megatron-core's write-results queue in this process.
+
+    Synchronous saves write from threads of this process, yet megatron-core 0.19.2 creates the
+    results queue through a spawned multiprocessing Manager: a fresh interpreter started on the
+    first save (seconds of fixed cost) that is never stopped and outlives a killed rank as an
+    orphan. Seeding the module's queue with a plain `queue.Queue` avoids both. Only valid while
+    saves are synchronous (we never use async_sharded_save).
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _barrier() -> None:
     torch.distributed.barrier()
 
@@ -88,7 +81,7 @@ def save(
     keep_last: int,
 ) -> Path:
     """Write to `.tmp_iter_*`, verify, rename, update `latest`, apply retention."""
-    _await_prewarm()
+    _in_process_results_queue()
     rank = torch.distributed.get_rank()
     tmp = ck.tmp_dir(root, step)
     if rank == 0:

@@ -1,8 +1,8 @@
 """The training loop proper: setup, step, checkpoint, signals (imported lazily by `train`).
 
-Every rank runs this. One small all-reduce per step carries the loss, the stop request
-(USR2/TERM seen by any rank) and the node step times, so all ranks agree on what happened and
-stop at the same step boundary.
+Every rank runs this. One small all-reduce per step carries the loss (from the last pipeline
+stage) and the stop request (USR2/TERM seen by any rank), so all ranks agree on what happened
+and stop at the same step boundary.
 """
 
 from __future__ import annotations
@@ -163,7 +163,6 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     if world != p.world_size:
         raise ValueError(f"WORLD_SIZE {world} != tensor×pipeline×data {p.world_size}")
     ps.initialize_model_parallel(p.tensor, p.pipeline)
-    dist_ckpt.prewarm()
     log = _Log(ctx, rank)
     t = spec.training
     torch.manual_seed(t.seed)
@@ -192,14 +191,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
 
     metrics = None
     if ctx.metrics_port is not None and local_rank == 0:
-        metrics = TrainMetrics(ctx.run_id, ctx.attempt, ctx.node, run_level=rank == 0)
-        host = os.environ.get("NIGHTWATCH_METRICS_HOST", "127.0.0.1")
-        port = metrics.serve(host, ctx.metrics_port)
-        metrics.start(t.train_steps, step, cursor)
-        metrics.set_up(True)
-        if ctx.on_metrics_ready is not None:
-            ctx.on_metrics_ready(host, port)
-        log("metrics_ready", all_ranks=True, host=host, port=port)
+        metrics = _serve_metrics(ctx, rank, t.train_steps, step, cursor, log)
 
     stop = _StopFlag()
     stop.install()
@@ -306,6 +298,25 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         metrics.set_up(False)
     log("train_end", step=step, loss=last_loss, exit_code=exit_code)
     return TrainResult(exit_code=exit_code, final_step=step, consumed_samples=cursor, losses=losses)
+
+
+def _serve_metrics(
+    ctx: TrainContext, rank: int, target_steps: int, step: int, cursor: int, log: _Log
+) -> TrainMetrics:
+    """This node's endpoint (local rank 0 only); run-level series on global rank 0's node.
+
+    Binds NIGHTWATCH_METRICS_HOST (default 127.0.0.1; the worker sets the node's address
+    when Prometheus scrapes from elsewhere).
+    """
+    metrics = TrainMetrics(ctx.run_id, ctx.attempt, ctx.node, run_level=rank == 0)
+    host = os.environ.get("NIGHTWATCH_METRICS_HOST", "127.0.0.1")
+    port = metrics.serve(host, ctx.metrics_port or 0)
+    metrics.start(target_steps, step, cursor)
+    metrics.set_up(True)
+    if ctx.on_metrics_ready is not None:
+        ctx.on_metrics_ready(host, port)
+    log("metrics_ready", all_ranks=True, host=host, port=port)
+    return metrics
 
 
 def _forward_step(data_iterator: object, model: object) -> tuple[torch.Tensor, Callable]:

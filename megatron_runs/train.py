@@ -56,18 +56,9 @@ def node_name() -> str:
 
 def train(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     """Run (or resume) training on this rank; every rank of the job calls it."""
-    import multiprocessing
-
     from megatron_runs import loop
 
-    before = set(multiprocessing.active_children())
-    try:
-        return loop.run(spec, ctx)
-    finally:
-        # dist_checkpointing starts a spawned multiprocessing manager and never stops it; it
-        # would outlive training and keep the caller's stdout/stderr pipes open.
-        for child in set(multiprocessing.active_children()) - before:
-            child.terminate()
+    return loop.run(spec, ctx)
 
 
 def _skip(text: str) -> tuple[int, int]:

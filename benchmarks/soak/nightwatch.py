@@ -15,7 +15,7 @@ import httpx
 from sqlalchemy import select
 
 from benchmarks.soak.driver import SystemRun, drive, end_time
-from benchmarks.soak.faults import Injector, JobView
+from benchmarks.soak.faults import Injector, JobView, slurm
 from benchmarks.soak.progress import LogFollower
 from benchmarks.soak.schedule import Schedule
 from benchmarks.soak.score import Remedy
@@ -97,8 +97,12 @@ def run_nightwatch(
         injections, state = drive(
             faults, follower, current_job, finished, injector, submit_t + budget_s, say
         )
-        if state == "deadline":
+        if state != "succeeded":
+            # An escalated run keeps its job; the next system must have the cluster to itself.
             api.client.post(f"/v1/runs/{run_id}/cancel")
+            job = current_job().job_id
+            if job:
+                slurm(cluster, "scancel", job)
         report = api.report(run_id)
     finally:
         api.close()

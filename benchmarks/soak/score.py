@@ -287,18 +287,19 @@ def fault_table(scores: Sequence[SystemScore]) -> str:
     """Per fault, one column group per system: detected / remedy / latency / MTTR / lost."""
     if not scores:
         return ""
-    header = f"{'fault':<19} {'step':>5} |" + "|".join(f" {s.system:<40}" for s in scores)
+    header = f"{'fault':<19} {'step':>5} |" + "|".join(f" {s.system:<44}" for s in scores)
     sub = f"{'':<19} {'':>5} |" + "|".join(
-        f" {'det':>3} {'remedy':<14} {'lat s':>6} {'MTTR s':>6} {'lost':>5} " for _ in scores
+        f" {'det':>3} {'last remedy':<18} {'lat s':>6} {'MTTR s':>6} {'lost':>5} " for _ in scores
     )
     lines = [header, sub, "-" * len(sub)]
     for i, fault in enumerate(scores[0].faults):
         cells = []
         for s in scores:
             f = s.faults[i]
-            remedy = ("✓ " if f.right_action else "✗ ") + (f.cured_by or "none")
+            count = f" ×{len(f.remedies)}" if len(f.remedies) > 1 else ""
+            remedy = ("✓ " if f.right_action else "✗ ") + (f.cured_by or "none") + count
             cells.append(
-                f" {_fmt(f.detected):>3} {remedy:<14} {_fmt(f.detection_latency_s):>6} "
+                f" {_fmt(f.detected):>3} {remedy:<18} {_fmt(f.detection_latency_s):>6} "
                 f"{_fmt(f.mttr_s):>6} {f.steps_lost:>5} "
             )
         lines.append(f"{fault.kind:<19} {fault.at_step:>5} |" + "|".join(cells))

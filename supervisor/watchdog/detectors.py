@@ -344,6 +344,45 @@ def median_step_time(samples: Sequence[MetricSample]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+#: A job may take this many hang floors from start to its first step (imports, rendezvous,
+#: checkpoint load) before it counts as hung at startup.
+STARTUP_FLOORS = 10
+
+
+def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
+    """Running for STARTUP_FLOORS × hang floor without finishing a first step.
+
+    Needs SLURM's word that the job runs and a metrics source that answered (UP, or up with
+    no series for the run yet); a failed or stale source convicts nothing."""
+    job = snap.job
+    if job.health is not SourceHealth.UP or job.state is not JobState.RUNNING:
+        return []
+    if snap.attempt_started_at is None:
+        return []
+    if snap.metrics.health not in (SourceHealth.UP, SourceHealth.MISSING):
+        return []
+    if any(s.last_step_ts for s in snap.metrics.samples):
+        return []
+    waited = snap.now - snap.attempt_started_at
+    limit = STARTUP_FLOORS * rc.hang_floor_seconds
+    if waited <= limit:
+        return []
+    return [
+        Finding(
+            kind=FindingKind.HANG,
+            summary=f"no first step {waited:.0f} s after the job started (limit {limit:.0f} s)",
+            cause=Cause.UNKNOWN,
+            evidence={
+                "waited_seconds": waited,
+                "limit_seconds": limit,
+                "metrics": snap.metrics.health.value,
+            },
+            fault_time=snap.attempt_started_at,
+            nodes=job.nodes,
+        )
+    ]
+
+
 def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     """No step finished for max(hang_factor × median step time, floor) while the job runs."""
     if not _metrics_ok(snap) or snap.job.health is not SourceHealth.UP:
@@ -534,6 +573,7 @@ ALL_DETECTORS: tuple[Detector, ...] = (
     detect_loss_spike,
     detect_grad_explosion,
     detect_hang,
+    detect_startup_hang,
     detect_replica_mismatch,
     detect_straggler,
     detect_checkpoint_problems,

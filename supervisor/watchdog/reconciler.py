@@ -579,6 +579,7 @@ class Reconciler:
             global_batch_size=spec.training.global_batch_size,
             target_steps=run.target_steps,
             disk_checkpoint_step=disk_step,
+            attempt_started_at=_ts(attempt.started_at),
         )
         self._check_recovery(run, attempt, view, incidents, now)
         if (
@@ -882,9 +883,7 @@ class Reconciler:
                 )
             )
         running = [
-            accounting.Interval(
-                a.started_at.timestamp(), a.ended_at.timestamp() if a.ended_at else None
-            )
+            accounting.Interval(a.started_at.timestamp(), _ts(a.ended_at))
             for a in attempts
             if a.started_at is not None
         ]
@@ -946,3 +945,7 @@ def build_reconciler(
         supervisor_metrics=supervisor_metrics,
         notifier=Notifier(settings.webhook_url),
     )
+
+
+def _ts(value: datetime | None) -> float | None:
+    return value.timestamp() if value is not None else None

@@ -121,6 +121,7 @@ class Snapshot:
     global_batch_size: int = 1
     target_steps: int | None = None
     disk_checkpoint_step: int | None = None  # newest complete checkpoint on disk
+    attempt_started_at: float | None = None  # when SLURM was first seen running the job
 
 
 class FindingKind(enum.StrEnum):

@@ -20,6 +20,7 @@ from supervisor.watchdog.detectors import (
     detect_loss_spike,
     detect_nonfinite,
     detect_replica_mismatch,
+    detect_startup_hang,
     detect_straggler,
     detect_throughput_drop,
 )
@@ -211,3 +212,22 @@ def test_by_step_dedupes_repeated_scrapes_and_restarts(rc: RecoverySpec) -> None
     placeholder = dataclasses.replace(samples[0], step=10, loss=0.0, last_step_ts=0.0)
     assert [s.step for s in by_step([placeholder, *samples[10:13]])] == [11, 12, 13]
     assert math.isfinite(samples[0].loss or math.nan)
+
+
+def test_startup_hang_after_ten_floors_without_a_first_step(rc: RecoverySpec) -> None:
+    started = 1_000_000.0
+    limit = 10 * rc.hang_floor_seconds
+    waiting = snapshot([], health=SourceHealth.MISSING, now=started + limit - 1)
+    waiting = dataclasses.replace(waiting, attempt_started_at=started)
+    assert detect_startup_hang(waiting, rc) == []
+    stuck = dataclasses.replace(waiting, now=started + limit + 1)
+    (f,) = detect_startup_hang(stuck, rc)
+    assert f.kind is FindingKind.HANG and f.fault_time == started
+    # Progress seen, a failed metrics source, or no running job: not a startup hang.
+    trained = simulate(1, steps=10)
+    progressed = dataclasses.replace(stuck, metrics=snapshot(trained).metrics)
+    assert detect_startup_hang(progressed, rc) == []
+    blind = snapshot([], health=SourceHealth.DOWN, now=started + limit + 1)
+    assert detect_startup_hang(dataclasses.replace(blind, attempt_started_at=started), rc) == []
+    pending = snapshot([], health=SourceHealth.MISSING, job_state=JobState.PENDING)
+    assert detect_startup_hang(dataclasses.replace(pending, attempt_started_at=0.0), rc) == []

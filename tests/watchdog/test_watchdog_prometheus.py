@@ -39,8 +39,16 @@ R1 = ("r1", 1)
 class FakeTrainer:
     """Drives two node endpoints like a 2-node run would: steps every `dt` seconds."""
 
-    def __init__(self, primary: Exporter, other: Exporter, attempt: int = 1, dt: float = 0.1):
+    def __init__(
+        self,
+        primary: Exporter,
+        other: Exporter,
+        attempt: int = 1,
+        dt: float = 0.1,
+        run_id: str = "r1",
+    ) -> None:
         self.primary, self.other, self.attempt, self.dt = primary, other, attempt, dt
+        self.run_id = run_id
         self.step = 0
         self.nan_from: int | None = None
         self._stop = threading.Event()
@@ -56,7 +64,7 @@ class FakeTrainer:
 
     def _loop(self) -> None:
         a = str(self.attempt)
-        n1, n2 = ("r1", a, "n1"), ("r1", a, "n2")
+        n1, n2 = (self.run_id, a, "n1"), (self.run_id, a, "n2")
         while not self._stop.is_set():
             self.step += 1
             bad = self.nan_from is not None and self.step >= self.nan_from
@@ -149,10 +157,16 @@ def test_prometheus_source_observes_detects_and_reports_down(
             assert detect_all(snap, rc) == []
             assert decide(snap, [], RunHistory(), rc).kind is RemedyKind.NONE
         trainer.nan_from = None
+        restarted = time.time()
         prometheus.start()
-        prometheus.wait_for_series("nightwatch_train_step", count=2)
-        time.sleep(1.5)
-        assert source.collect([R1], time.time())[R1].health is SourceHealth.UP
+        deadline = restarted + 20  # Prometheus syncs its targets a few seconds after start
+        view = source.collect([R1], time.time())[R1]
+        while time.time() < deadline and not (
+            view.health is SourceHealth.UP and view.samples[-1].t > restarted
+        ):
+            time.sleep(0.5)
+            view = source.collect([R1], time.time())[R1]
+        assert view.health is SourceHealth.UP and view.samples[-1].t > restarted
 
 
 def test_prometheus_source_keeps_attempts_apart_and_goes_stale(
@@ -236,3 +250,63 @@ def test_parse_matrix_and_assemble_on_recorded_answers() -> None:
     assert (s1.step, s2.step, s2.loss) == (5, 6, 2.5) and math.isnan(s1.loss)  # type: ignore[arg-type]
     with pytest.raises(Exception, match="query failed"):
         parse_matrix({"status": "error", "error": "bad"})
+
+
+def test_reconciler_with_prometheus_stopped_takes_no_remedy(
+    prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter], tmp_path: Path
+) -> None:
+    """A healthy run; Prometheus goes away for several ticks and comes back: zero remedies,
+    the source reported down meanwhile, and normal service after."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from watchdog_fakes import TINY_SPEC, FakeCluster
+
+    from supervisor import store
+    from supervisor.db import Database
+    from supervisor.models import Action, RunState
+    from supervisor.slurm import JobState as SlurmState
+    from supervisor.spec import RunSpec
+    from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
+
+    db = Database(f"sqlite:///{tmp_path / 'nw.db'}")
+    db.upgrade()
+    with db.write_session() as s:
+        run, _ = store.create_run(s, RunSpec.model_validate(TINY_SPEC))
+    cluster = FakeCluster()
+    source = PrometheusSource(prometheus.url, stale_after_s=3.0, window_s=120.0)
+    rec = Reconciler(
+        db,
+        cluster,
+        source,
+        WatchdogConfig(home=tmp_path / "home", tick_seconds=0.5),
+        registry=CollectorRegistry(),
+    )
+    rec.tick()
+    cluster.set(cluster.submitted[-1][0], SlurmState.RUNNING)
+    with FakeTrainer(*exporters, dt=0.1, run_id=run.id):
+        prometheus.wait_for_series(f'nightwatch_train_step{{run_id="{run.id}"}}', count=2)
+        ups = []
+        # Prometheus needs a few seconds after (re)start before it scrapes (target sync).
+        for phase, seconds in (("before", 3.0), ("down", 4.0), ("after", 20.0)):
+            if phase == "down":
+                prometheus.stop()
+            if phase == "after":
+                prometheus.start()
+            deadline = time.time() + seconds
+            while time.time() < deadline:
+                result = rec.tick()
+                health = source.history.view((run.id, 1), time.time()).health
+                ups.append((phase, result.metrics_up and health is SourceHealth.UP))
+                assert result.remedies == {} and result.findings == {}, (phase, result)
+                if phase == "after" and ups[-3:] == [("after", True)] * 3:
+                    break
+                time.sleep(0.5)
+        text = generate_latest(rec.registry).decode()
+    assert all(up for phase, up in ups if phase == "before")
+    assert not any(up for phase, up in ups if phase == "down")
+    assert ups[-3:] == [("after", True)] * 3, ups
+    assert 'nightwatch_supervisor_source_up{source="prometheus"} 1.0' in text
+    with db.session() as s:
+        assert store.get_run(s, run.id).state is RunState.RUNNING
+        kinds = [a.kind for a in s.query(Action).filter(Action.run_id == run.id)]
+    assert kinds == ["submit"]
+    db.dispose()

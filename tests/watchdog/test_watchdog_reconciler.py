@@ -1,4 +1,4 @@
-"""The reconcile loop on a real SQLite store with a fake SLURM and a fake metrics source."""
+"""The reconcile loop on a real store (SQLite and PostgreSQL) with a fake SLURM and metrics."""
 
 from __future__ import annotations
 
@@ -31,13 +31,6 @@ from supervisor.spec import RunSpec
 from supervisor.watchdog.actions import checkpoint_dir
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 from supervisor.watchdog.snapshot import MetricSample, RemedyKind
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Database:
-    database = Database(f"sqlite:///{tmp_path / 'nw.db'}")
-    database.upgrade()
-    return database
 
 
 def make(

@@ -1,0 +1,69 @@
+"""The driver's firing rules, with a scripted log and a recording injector (no services)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.soak import driver
+from benchmarks.soak.faults import FollowUp, JobView
+from benchmarks.soak.progress import LogFollower
+from benchmarks.soak.schedule import FaultKind, ScheduledFault
+
+
+class Recorder:
+    """Stands in for `faults.Injector`: records what it was asked to do."""
+
+    def __init__(self) -> None:
+        self.injected: list[tuple[FaultKind, float]] = []
+        self.followups: list[FollowUp] = []
+
+    def inject(self, fault: ScheduledFault, job: JobView) -> str:
+        self.injected.append((fault.kind, driver.time.time()))
+        return "done"
+
+    def tick(self, now: float) -> list[str]:
+        return []
+
+    def finish(self) -> list[str]:
+        return ["cleaned up"]
+
+
+def write_steps(log: Path, upto: int) -> None:
+    lines = [{"ts": 1.0 + s, "event": "step", "step": s, "loss": 5.0, "attempt": 1, "job_id": "1"}
+             for s in range(1, upto + 1)]  # fmt: skip
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_spec_faults_are_armed_and_external_faults_wait_their_gap(
+    tmp_path: Path, monkeypatch
+) -> None:
+    clock = iter(range(1000, 2000, 10))  # every loop turn is 10 s later
+    monkeypatch.setattr(driver.time, "time", lambda: float(next(clock)))
+    monkeypatch.setattr(driver.time, "sleep", lambda s: None)
+    write_steps(tmp_path / "1_0_log.out", 50)
+    faults = [
+        ScheduledFault(FaultKind.POISON_DATA, 10, {}),
+        ScheduledFault(FaultKind.RANK_CRASH, 12, {"rank": 0}),
+        ScheduledFault(FaultKind.NODE_DEATH, 40, {"node": "n1"}),
+        ScheduledFault(FaultKind.PREEMPTION, 99, {}),
+    ]
+    turns = iter(range(100))
+    rec = Recorder()
+    injections, state = driver.drive(
+        faults,
+        LogFollower(tmp_path, "*_0_log.out"),
+        lambda: JobView("1", ("n1", "n2"), tmp_path),
+        lambda: "succeeded" if next(turns) >= 12 else None,
+        rec,  # type: ignore[arg-type]
+        deadline=10**9,
+        say=lambda msg: None,
+        min_gap_s=30,
+    )
+    assert state == "succeeded"
+    assert [k for k, _ in rec.injected] == [FaultKind.RANK_CRASH, FaultKind.NODE_DEATH]
+    (_, crash_t), (_, death_t) = rec.injected
+    assert death_t - crash_t >= 30
+    kinds = [(i.fault.kind, i.note) for i in injections]
+    assert kinds[0] == (FaultKind.POISON_DATA, "armed in spec")
+    assert kinds[-1] == (FaultKind.PREEMPTION, "not reached")
