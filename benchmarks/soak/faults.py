@@ -25,6 +25,8 @@ PREEMPT_GRACE_S = 30.0
 
 @dataclass
 class FollowUp:
+    """Something to do later (bring a service back), once `due` has passed and `ready()`."""
+
     due: float
     label: str
     action: Callable[[], None]

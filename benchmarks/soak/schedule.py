@@ -111,9 +111,6 @@ class Schedule:
         """`RunSpec.faults` entries (supervisor.spec) for the spec-side faults."""
         return [spec_fault(f) for f in self.faults if f.spec_side]
 
-    def external(self) -> list[ScheduledFault]:
-        return [f for f in self.faults if not f.spec_side]
-
     def render(self) -> str:
         shape = self.shape
         head = (
@@ -191,8 +188,9 @@ def slots(shape: SoakShape, count: int) -> list[tuple[int, int]]:
 
 
 def predicted_placement(nodes: Sequence[str], gone: Iterable[str], job_nodes: int) -> list[str]:
-    """Where SLURM puts the next job: the first free nodes in order (the devcluster's nodes are
-    identical, so the scheduler takes the lowest-numbered idle ones)."""
+    """Where SLURM should put the next job: the first free nodes in order (the devcluster's
+    nodes are identical, so the scheduler takes the lowest-numbered idle ones). A guess: a job
+    resubmitted while the old one's nodes are still completing lands on spare nodes instead."""
     out = [n for n in nodes if n not in set(gone)]
     return out[:job_nodes]
 

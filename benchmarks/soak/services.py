@@ -104,10 +104,6 @@ class Cluster:
     def stop(self) -> None:
         self.run("stop")
 
-    def prometheus_ready(self) -> bool:
-        with urllib.request.urlopen(f"{self.prometheus_url}/-/ready", timeout=1):
-            return True
-
 
 def _terminate(pidfile: Path, timeout_s: float = 15.0) -> None:
     try:
@@ -146,7 +142,6 @@ class Supervisor:
     port: int = field(default_factory=free_port)
     tick_seconds: float = 2.0
     proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
 
     @property
     def url(self) -> str:
@@ -193,7 +188,6 @@ class Supervisor:
             start_new_session=True,
         )
         log.close()
-        self.starts += 1
         wait_until("the supervisor API", self._healthy, timeout_s=90)
 
     def _healthy(self) -> bool:
