@@ -9,13 +9,17 @@ rollback + skip → recovery), and ends with the run's report.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -96,6 +100,22 @@ class _Server:
         self.thread.join(10)
 
 
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """Send file descriptor 2 (inherited by the local jobs' controllers, whose tracebacks on
+    cancel are expected) to a file while the demo runs; the demo itself prints to stdout."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with path.open("ab") as sink:
+        os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _progress(step: int | None, target: int, loss: float | None, eta: float | None) -> str:
     done = "-" if step is None else str(step)
     loss_s = "-" if loss is None else f"{loss:.3f}"
@@ -142,7 +162,7 @@ def demo(
         port=port,
         public_url=f"http://127.0.0.1:{port}",
     )
-    typer.echo(f"nightwatch demo — home {home} (logs: supervisor.log, runs/)")
+    typer.echo(f"nightwatch demo — home {home} (logs: supervisor.log, jobs-stderr.log, runs/)")
     typer.echo("preparing the demo corpus (tokenizer + Megatron indexed dataset)…")
     from megatron_runs.data_prep import prepare
 
@@ -171,7 +191,7 @@ def demo(
     cursor = 0
     last_line = ""
     state = RunState.PENDING
-    with _Server(api, port):
+    with _Server(api, port), _stderr_to(home / "jobs-stderr.log"):
         while time.monotonic() < deadline:
             started = time.monotonic()
             reconciler.tick()
