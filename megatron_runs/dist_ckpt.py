@@ -112,9 +112,14 @@ def _fsync_tree(path: Path) -> None:
 
 
 def choose(root: Path, resume_step: int | None) -> ck.CheckpointInfo | None:
-    """The checkpoint to load: exactly `resume_step`, else the newest complete one."""
+    """The checkpoint to load: exactly `resume_step`, else the newest complete one.
+
+    `resume_step == 0` means start from scratch (a rollback past every checkpoint).
+    """
     if resume_step is None:
         return ck.newest_complete(root)
+    if resume_step == 0:
+        return None
     info = ck.read_info(ck.step_dir(root, resume_step))
     if info is None or not info.complete:
         why = "missing" if info is None else info.problem

@@ -5,8 +5,9 @@ Each fault is tied to its cause, so only the right remedy cures it:
   are read — it recurs until a rollback skips those global sample indices;
 * node: a sick node (by node name) yields NaN gradients, hangs, runs slow, or crashes on every
   step from `after_step` on — it recurs on every attempt until the node is excluded;
-* crash: one process crash at a step, in attempt 0 only, so a restart does not meet it again;
-* corrupt_checkpoint: the checkpoint published at that step is truncated (attempt 0 only).
+* crash: one process crash at a step; a marker file beside the checkpoints records that it
+  fired, so a restart (whatever its attempt number, under any supervisor) does not meet it again;
+* corrupt_checkpoint: the checkpoint published at that step is truncated, once (marker likewise).
 """
 
 from __future__ import annotations
@@ -29,18 +30,36 @@ class Faults:
     node: tuple[NodeFault, ...]
     crash: tuple[CrashFault, ...]
     corrupt: tuple[CorruptCheckpointFault, ...]
+    marker_dir: Path | None = None
 
     @classmethod
-    def for_process(cls, spec: RunSpec, node: str, rank: int, attempt: int) -> Faults:
+    def for_process(cls, spec: RunSpec, node: str, rank: int, checkpoint_dir: Path) -> Faults:
+        """Faults of this process; one-shot faults that already fired (marker present) drop out."""
         fs = spec.faults
+        markers = Path(checkpoint_dir) / ".faults"
         return cls(
             poison=tuple(f for f in fs if isinstance(f, PoisonDataFault)),
             node=tuple(f for f in fs if isinstance(f, NodeFault) and f.node == node),
             crash=tuple(
-                f for f in fs if isinstance(f, CrashFault) and f.rank == rank and attempt == 0
+                f
+                for f in fs
+                if isinstance(f, CrashFault)
+                and f.rank == rank
+                and not (markers / _crash_marker(f)).exists()
             ),
-            corrupt=tuple(f for f in fs if isinstance(f, CorruptCheckpointFault) and attempt == 0),
+            corrupt=tuple(
+                f
+                for f in fs
+                if isinstance(f, CorruptCheckpointFault)
+                and not (markers / _corrupt_marker(f)).exists()
+            ),
+            marker_dir=markers,
         )
+
+    def _mark_fired(self, name: str) -> None:
+        if self.marker_dir is not None:
+            self.marker_dir.mkdir(parents=True, exist_ok=True)
+            (self.marker_dir / name).touch()
 
     def poison_effect(self, sample: int) -> str | None:
         """ "spike" / "nan" when a poisoned window covers this global sample index."""
@@ -58,6 +77,9 @@ class Faults:
     def before_step(self, step: int) -> None:
         """Crash or hang here when a fault says so (called at the start of each step)."""
         effects = self.node_effects(step)
+        for f in self.crash:
+            if f.step == step:
+                self._mark_fired(_crash_marker(f))
         if any(f.step == step for f in self.crash) or "crash" in effects:
             print(f'{{"event": "injected_crash", "step": {step}}}', file=sys.stderr, flush=True)
             os._exit(exitcodes.INJECTED_CRASH)
@@ -77,8 +99,10 @@ class Faults:
 
     def corrupt_after_publish(self, step: int, ckpt: Path) -> Path | None:
         """Truncate the largest file of the checkpoint of `step`; return it if done."""
-        if not any(f.step == step for f in self.corrupt):
+        fired = [f for f in self.corrupt if f.step == step]
+        if not fired:
             return None
+        self._mark_fired(_corrupt_marker(fired[0]))
         files = [p for p in Path(ckpt).rglob("*") if p.is_file() and p.name != "nightwatch.json"]
         if not files:
             return None
@@ -86,3 +110,11 @@ class Faults:
         with victim.open("r+b") as fh:
             fh.truncate(victim.stat().st_size // 2)
         return victim
+
+
+def _crash_marker(fault: CrashFault) -> str:
+    return f"crash-step{fault.step}-rank{fault.rank}.fired"
+
+
+def _corrupt_marker(fault: CorruptCheckpointFault) -> str:
+    return f"corrupt-step{fault.step}.fired"

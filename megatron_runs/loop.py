@@ -171,7 +171,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     stream = TokenStream(_data_prefix(spec), spec.model.seq_length)
     model, config = _build_model(spec, bf16)
     optimizer = _build_optimizer(spec, model, bf16)
-    faults = Faults.for_process(spec, ctx.node, rank, ctx.attempt)
+    faults = Faults.for_process(spec, ctx.node, rank, ctx.checkpoint_dir)
     current = [0]  # the step being computed, for the NaN-grad hook
     _hook_finalize(config, model, faults, current)
     config.grad_scale_func = optimizer.scale_loss

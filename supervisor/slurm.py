@@ -282,6 +282,19 @@ def parse_squeue(text: str) -> dict[str, JobStatus]:
     return out
 
 
+def parse_job_ids(text: str) -> list[str]:
+    """One job id per line (`squeue -o %i`, `sacct -o JobIDRaw`); anything else is an error."""
+    ids = [line.strip() for line in text.splitlines() if line.strip()]
+    bad = [i for i in ids if not re.fullmatch(r"\d+(_\d+)?", i)]
+    if bad:
+        raise SourceUnavailable(f"unexpected job id(s): {bad[:3]!r}")
+    return ids
+
+
+def _job_sort_key(job_id: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in job_id.split("_"))
+
+
 def parse_sinfo(text: str) -> dict[str, NodeInfo]:
     """Parse `sinfo -h -N -o %N|%t|%E`; a node listed in several partitions appears once."""
     out: dict[str, NodeInfo] = {}
@@ -382,6 +395,36 @@ class SlurmCluster:
         if any(s.state is JobState.NODE_FAIL for s in statuses.values()):
             statuses = with_failed_nodes(statuses, self.nodes())
         return statuses
+
+    def find_jobs(self, job_name: str) -> list[str]:
+        """Ids of the jobs named `job_name` (oldest first), so a submit interrupted by a crash is
+        found instead of repeated.
+
+        squeue answers for jobs the controller holds; sacct for jobs it has forgotten (or when
+        squeue fails). Both failing raises `SourceUnavailable`: "none found" is only ever said
+        by a source that answered.
+        """
+        ids: set[str] = set()
+        try:
+            ids.update(
+                parse_job_ids(self._run(["squeue", "-h", "-t", "all", "-o", "%i", "--name", job_name]))
+            )
+        except SourceUnavailable as exc:
+            squeue_error: SourceUnavailable | None = exc
+        else:
+            squeue_error = None
+            if ids:
+                return sorted(ids, key=_job_sort_key)
+        try:
+            out = self._run(
+                ["sacct", "-X", "-P", "-n", "-S", "now-7days", "--name", job_name, "-o", "JobIDRaw"]
+            )
+        except SourceUnavailable:
+            if squeue_error is not None:
+                raise
+            return []
+        ids.update(parse_job_ids(out))
+        return sorted(ids, key=_job_sort_key)
 
     def _run_squeue(self, cmd: list[str]) -> str:
         """squeue fails on a single id it no longer knows; that is "no line", not an outage."""

@@ -20,13 +20,13 @@ FAULTS = [
 ]
 
 
-def _faults(node: str, rank: int = 0, attempt: int = 0) -> Faults:
+def _faults(node: str, rank: int = 0, ckpt: Path = Path("/nonexistent-ckpt")) -> Faults:
     spec = RunSpec.model_validate(spec_dict("f", faults=FAULTS))
-    return Faults.for_process(spec, node, rank, attempt)
+    return Faults.for_process(spec, node, rank, ckpt)
 
 
 def test_no_faults_section_means_no_effects() -> None:
-    f = Faults.for_process(RunSpec.model_validate(spec_dict("f")), "n2", 1, 0)
+    f = Faults.for_process(RunSpec.model_validate(spec_dict("f")), "n2", 1, Path("/nonexistent"))
     assert f.poison_effect(42) is None and not f.nan_grads(10) and f.slow_delay(10, 1.0) == 0
 
 
@@ -50,12 +50,17 @@ def test_node_faults_follow_the_node_name_and_after_step() -> None:
     assert _faults("n3").node_effects(0) == {"crash"}
 
 
-def test_one_shot_faults_only_in_attempt_zero_and_on_their_rank() -> None:
-    assert _faults("n1", rank=1, attempt=0).crash
-    assert not _faults("n1", rank=0, attempt=0).crash
-    assert not _faults("n1", rank=1, attempt=1).crash
-    assert _faults("n1", attempt=0).corrupt and not _faults("n1", attempt=1).corrupt
-    assert _faults("n3", attempt=3).node  # node faults recur on every attempt
+def test_one_shot_faults_fire_once_on_their_rank(tmp_path: Path) -> None:
+    first = _faults("n1", rank=1, ckpt=tmp_path)
+    assert first.crash and not _faults("n1", rank=0, ckpt=tmp_path).crash
+    first._mark_fired("crash-step7-rank1.fired")  # what before_step(7) does before exiting
+    assert not _faults("n1", rank=1, ckpt=tmp_path).crash  # the restart does not meet it again
+    ckpt = tmp_path / "iter_6"
+    ckpt.mkdir()
+    (ckpt / "a.distcp").write_bytes(b"a" * 10)
+    assert _faults("n1", ckpt=tmp_path).corrupt_after_publish(6, ckpt) is not None
+    assert not _faults("n1", ckpt=tmp_path).corrupt  # fired once, gone
+    assert _faults("n3", ckpt=tmp_path).node  # node faults recur on every attempt
 
 
 def test_corrupt_truncates_the_largest_file_of_that_step(tmp_path: Path) -> None:
