@@ -5,7 +5,12 @@ The reference the training program is measured against: same model and parallel 
 pipeline. One rank of a job (RANK / WORLD_SIZE / LOCAL_RANK from the environment); rank 0
 prints one JSON line per step: {"event": "step", "step", "step_time"}.
 
-    python benchmarks/train_baseline.py --spec SPEC --steps 30
+    python benchmarks/train_baseline.py --spec SPEC --steps 30 [--no-fused]
+        [--no-overlap-param-gather]
+
+`--no-fused` / `--no-overlap-param-gather` turn off the GPU defaults of `loop._build_model`
+(fused bias-dropout-add and cross-entropy; param all-gather overlapped with the forward pass),
+which gives the loop as it was measured before them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--no-fused", action="store_true")
+    ap.add_argument("--no-overlap-param-gather", action="store_true")
     args = ap.parse_args()
     spec = RunSpec.from_file(args.spec)
     rank, _world, _local, device = loop._init_distributed()
@@ -44,7 +51,9 @@ def main() -> int:
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     bf16 = m.precision == "bf16" and not CPU
-    model, config = loop._build_model(spec, bf16)
+    model, config = loop._build_model(
+        spec, bf16, fused=not args.no_fused, overlap_param_gather=not args.no_overlap_param_gather
+    )
     optimizer = loop._build_optimizer(spec, model, bf16)
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync

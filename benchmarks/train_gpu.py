@@ -7,7 +7,10 @@ Phases (each starts its own ranks through megatron_runs.launch_local):
 * dp4 / tp2: the 1.3B GPT (24 × 2048, seq 2048, global batch 64) as DP4 or TP2×DP2, three
   ways side by side: the bare SDPA loop (benchmarks/train_baseline.py), train() without
   hooks (no metrics endpoint, no checksums) and train() with them (metrics endpoint +
-  checksum every 10 steps). Step time is the median of steps after the warm-up.
+  checksum every 10 steps). Step time is the median of steps after the warm-up. Two more
+  bare-loop variants switch off the GPU defaults of `loop._build_model` for an A/B in the
+  same call: `baseline-ag` without the fused kernels (param all-gather overlap only),
+  `baseline-before` without either (the loop as first measured).
 
     python benchmarks/train_gpu.py --phase tpcheck dp4 --out OUT_DIR
 """
@@ -99,7 +102,7 @@ def run(
     nproc = spec["resources"]["gpus_per_node"]
     if baseline_steps:
         entry = (str(ROOT / "benchmarks" / "train_baseline.py"),)
-        args = ["--spec", str(spec_path), "--steps", str(baseline_steps)]
+        args = ["--spec", str(spec_path), "--steps", str(baseline_steps), *extra]
     else:
         entry = ("-m", "megatron_runs.train")
         args = ["--spec", str(spec_path), "--checkpoint-dir", str(work / "ckpt"), *extra]
@@ -132,6 +135,8 @@ def run(
     }
     if codes != [0] * nproc:
         result["log_tail"] = (work / "logs" / "rank0.log").read_text(errors="replace")[-3000:]
+    brief = ("name", "codes", "wall_s", "steps", "step_time_median_s", "mfu")
+    print(json.dumps({"work": work.name, **{k: result[k] for k in brief}}), flush=True)
     return result
 
 
@@ -169,14 +174,26 @@ def big(
         gbs=64,
     )
     res: dict = {"micro_batch_size": mbs}
+    if "baseline-before" in variants:
+        res["baseline_before"] = run(
+            out / f"{name}-base0",
+            spec,
+            ["--no-fused", "--no-overlap-param-gather"],
+            env,
+            baseline_steps=steps,
+        )
+    if "baseline-ag" in variants:
+        res["baseline_ag"] = run(
+            out / f"{name}-base-ag", spec, ["--no-fused"], env, baseline_steps=steps
+        )
     if "baseline" in variants:
         res["baseline"] = run(out / f"{name}-base", spec, [], env, baseline_steps=steps)
+    if "hooks" in variants:
+        res["train_hooks"] = run(out / f"{name}-hooks", spec, ["--metrics-port", "0"], env)
     if "nohooks" in variants:
         res["train_no_hooks"] = run(
             out / f"{name}-nohooks", spec, [], {**env, "NIGHTWATCH_REPLICA_CHECK_EVERY": "0"}
         )
-    if "hooks" in variants:
-        res["train_hooks"] = run(out / f"{name}-hooks", spec, ["--metrics-port", "0"], env)
     if "train_no_hooks" in res and "train_hooks" in res:
         base = res["train_no_hooks"]["step_time_median_s"]
         res["hook_overhead_ratio"] = res["train_hooks"]["step_time_median_s"] / base - 1
@@ -194,7 +211,7 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["baseline", "nohooks", "hooks"],
-        choices=["baseline", "nohooks", "hooks"],
+        choices=["baseline-before", "baseline-ag", "baseline", "nohooks", "hooks"],
     )
     args = ap.parse_args()
     import torch

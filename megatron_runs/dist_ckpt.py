@@ -45,10 +45,57 @@ def _state_dict(model: list, optimizer: object, is_loading: bool) -> dict:
             sd[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
     model_sd = {k: v for k, v in sd.items() if k.startswith("model")}
     merged = model_sd["model"] if len(model) == 1 else model_sd
+    _gather_in_buffer_space(optimizer)
     sd["optimizer"] = optimizer.sharded_state_dict(
         merged, is_loading=is_loading, metadata=_OPT_META
     )
     return sd
+
+
+def _gather_in_buffer_space(optimizer: object) -> None:
+    """Make the fully_reshardable save slice each parameter's optimizer state where it lies.
+
+    megatron-core 0.19.2 gathers the distributed optimizer's state into one tensor per buffer
+    with the padding between buckets dropped, then cuts each parameter out of it at its offset
+    in the *padded* buffer. A buffer with several buckets (PP > 1 with tied embeddings: the
+    shared embedding gets a bucket of its own) whose first bucket needs padding to a multiple
+    of the DP size therefore saves a later bucket's params shifted — the embedding's Adam state
+    and fp32 main param belong to the wrong elements. Nothing fails; the resumed run silently
+    diverges (T1: +0.5 loss). Loading slices per parameter and is right, so the fix is on the
+    gather side: put every bucket back at its buffer offset. The checkpoint format is unchanged
+    (it was already correct for single-bucket buffers); checkpoints saved before this fix with
+    inter-bucket padding hold shifted optimizer state.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        gather = getattr(opt, "get_parameter_state_dp_zero", None)
+        if gather is None or getattr(gather, "_nightwatch", False):
+            continue
+
+        def in_buffer_space(
+            *args: object, _gather: object = gather, _opt: object = opt, **kwargs: object
+        ) -> dict | None:
+            state = _gather(*args, **kwargs)
+            if state is not None:
+                for gbuf_idx, buffer in enumerate(_opt.buffers):
+                    for world in state[gbuf_idx].values():
+                        for key, compact in world.items():
+                            if isinstance(compact, torch.Tensor):
+                                world[key] = _unpack_buckets(compact, buffer)
+            return state
+
+        in_buffer_space._nightwatch = True  # type: ignore[attr-defined]
+        opt.get_parameter_state_dp_zero = in_buffer_space
+
+
+def _unpack_buckets(compact: torch.Tensor, buffer: object) -> torch.Tensor:
+    """A buffer-sized tensor with each bucket's unpadded part of `compact` at its offset."""
+    full = compact.new_zeros(buffer.numel)
+    start = 0
+    for bucket in buffer.buckets:
+        n = bucket.numel_unpadded
+        full[bucket.offset : bucket.offset + n] = compact[start : start + n]
+        start += n
+    return full
 
 
 def _in_process_results_queue() -> None:

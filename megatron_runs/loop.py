@@ -7,6 +7,7 @@ and stop at the same step boundary.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -28,7 +29,11 @@ from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer import (  # noqa: E402
+    FP32Optimizer,
+    OptimizerConfig,
+    get_megatron_optimizer,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
@@ -108,8 +113,21 @@ def _data_prefix(spec: RunSpec) -> str:
     return prepare(None, nightwatch_home() / "data", spec.model.vocab_size).prefix
 
 
-def _build_model(spec: RunSpec, bf16: bool) -> tuple[list, object]:
-    config = transformer_config(spec, torch.bfloat16 if bf16 else torch.float32, use_cpu_init=CPU)
+def _build_model(
+    spec: RunSpec, bf16: bool, fused: bool = True, overlap_param_gather: bool = True
+) -> tuple[list, object]:
+    """The DDP-wrapped model. On GPU by default: fused bias-dropout-add and cross-entropy (bf16
+    only, see `transformer_config`) and, with the distributed optimizer at DP > 1, the param
+    all-gather overlapped with the next forward pass (`_finish_param_gather` before anything
+    reads the weights). The switches exist for benchmarks/train_baseline.py's A/B runs; CPU
+    runs get neither."""
+    dp = ps.get_data_parallel_world_size()
+    config = transformer_config(
+        spec,
+        torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_init=CPU,
+        fused=fused and bf16,
+    )
     model = build_gpt(spec, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     if not CPU:
         model.cuda(torch.cuda.current_device())
@@ -119,13 +137,27 @@ def _build_model(spec: RunSpec, bf16: bool) -> tuple[list, object]:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         # On GPU, reduce-scatter gradient buckets while the backward pass still runs.
-        overlap_grad_reduce=not CPU and ps.get_data_parallel_world_size() > 1,
+        overlap_grad_reduce=not CPU and dp > 1,
+        overlap_param_gather=overlap_param_gather
+        and not CPU
+        and dp > 1
+        and spec.parallelism.distributed_optimizer,
         use_distributed_optimizer=spec.parallelism.distributed_optimizer,
         check_for_nan_in_grad=False,
     )
     ddp = DistributedDataParallel(config, ddp_config, model)
     ddp.broadcast_params()
     return [ddp], config
+
+
+def _finish_param_gather(model: list) -> None:
+    """With `overlap_param_gather` the optimizer step updates only this rank's shard; the other
+    shards arrive during the next forward pass. Gather them now, before a checksum or a
+    checkpoint reads the weights (what Megatron-LM does before saving). No-op otherwise."""
+    with torch.no_grad():
+        for chunk in model:
+            if chunk.ddp_config.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
 
 
 def _build_optimizer(spec: RunSpec, model: list, bf16: bool) -> object:
@@ -142,10 +174,43 @@ def _build_optimizer(spec: RunSpec, model: list, bf16: bool) -> object:
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=spec.parallelism.distributed_optimizer,
         # A constant scale of 1 turns on Megatron's found-inf check: a step whose grads hold
-        # NaN/Inf is skipped instead of writing NaN into the weights.
+        # NaN/Inf is skipped instead of writing NaN into the weights. Megatron runs that check
+        # only in its mixed-precision optimizers (bf16 or distributed); fp32 without the
+        # distributed optimizer gets `_check_found_inf`.
         loss_scale=1.0,
     )
-    return get_megatron_optimizer(cfg, model)
+    return _check_found_inf(get_megatron_optimizer(cfg, model))
+
+
+def _check_found_inf(optimizer: object) -> object:
+    """Give Megatron's FP32Optimizer the found-inf skip its mixed-precision optimizers have.
+
+    FP32Optimizer.prepare_grads always reports "no inf", so a NaN gradient is applied and the
+    weights stay NaN for good (T4); the step's grad norm is NaN too, which its skip threshold
+    (`norm > threshold`) never catches. Like `_unscale_main_grads_and_check_for_nan`, the flag
+    is max-reduced over the grad-stats group so every rank skips the same step; every rank
+    takes part in that reduction, a stub optimizer (no params) included.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, FP32Optimizer):
+            opt.prepare_grads = functools.partial(_prepare_grads_found_inf, opt, opt.prepare_grads)
+    return optimizer
+
+
+@torch.no_grad()
+def _prepare_grads_found_inf(opt: FP32Optimizer, prepare: Callable[[], bool]) -> bool:
+    """FP32Optimizer.prepare_grads (main_grad → grad), then: does any grad hold NaN/Inf?"""
+    found = prepare()
+    grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    device = torch.device("cpu") if CPU else torch.device("cuda", torch.cuda.current_device())
+    flag = torch.zeros(1, dtype=torch.float32, device=device)
+    if grads:
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        flag.fill_(0.0 if bool(finite) else 1.0)
+    torch.distributed.all_reduce(
+        flag, op=torch.distributed.ReduceOp.MAX, group=opt.get_grad_stats_parallel_group()
+    )
+    return found or flag.item() > 0
 
 
 def _set_lr(optimizer: object, lr: float) -> None:
@@ -280,12 +345,14 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
                 consumed=cursor,
             )
         if check_every and step % check_every == 0:
+            _finish_param_gather(model)
             mismatch = replicas.check(model, device)
             if metrics is not None:
                 metrics.on_replica_check(mismatch)
             log("replica_mismatch" if mismatch else "replica_check", step=step)
         final = step >= target or stop_requested
         if step % spec.checkpoint.interval_steps == 0 or final:
+            _finish_param_gather(model)
             _checkpoint(
                 spec, model, optimizer, root, step, cursor, loss, layout, metrics, faults, log
             )

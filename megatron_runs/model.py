@@ -81,10 +81,18 @@ class SDPACoreAttention(MegatronModule):
 
 
 def transformer_config(
-    spec: RunSpec, params_dtype: torch.dtype, use_cpu_init: bool
+    spec: RunSpec, params_dtype: torch.dtype, use_cpu_init: bool, fused: bool = False
 ) -> TransformerConfig:
     """TransformerConfig with the layout sizes set (without them every PP stage builds all
-    layers, training works and only the checkpoint save fails on duplicate keys)."""
+    layers, training works and only the checkpoint save fails on duplicate keys).
+
+    `fused` (GPU, bf16 only) turns on the two TE-free fusions of megatron-core that keep the
+    model's arithmetic: bias-dropout-add and the vocab-parallel cross-entropy, each compiled by
+    `torch.compile` (megatron.core.jit); the fused cross-entropy returns bf16 logit gradients.
+    `bias_activation_fusion` stays off: its GeLU is the tanh approximation, not torch's erf one.
+    """
+    if fused and params_dtype != torch.bfloat16:
+        raise ValueError("fused kernels need bf16 (the fused cross-entropy's grads are bf16)")
     m, p = spec.model, spec.parallelism
     llama = m.normalization == "RMSNorm"
     return TransformerConfig(
@@ -112,12 +120,13 @@ def transformer_config(
         perform_initialization=True,
         init_method_std=0.02,
         bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        bias_dropout_fusion=fused,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
-        cross_entropy_loss_fusion=False,
+        cross_entropy_loss_fusion=fused,
+        cross_entropy_fusion_impl="native",
     )
 
 

@@ -20,7 +20,7 @@ class LogKind(enum.StrEnum):
     TIME_LIMIT = "time_limit"
     PREEMPTION = "preemption"
     PYTHON_EXCEPTION = "python_exception"
-    TASK_EXIT = "task_exit"  # srun: "<node>: task N: Exited with exit code C"
+    TASK_EXIT = "task_exit"  # srun: "<node>: task N: Exited with exit code C" (or: Killed)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class LogFinding:
 
 
 _TASK_EXIT = re.compile(
-    r"srun: error: (?P<host>[\w.-]+): tasks? [\d,\-]+: Exited with exit code (?P<code>\d+)"
+    r"srun: error: (?P<host>[\w.-]+): tasks? [\d,\-]+: "
+    r"(?:Exited with exit code (?P<code>\d+)|Killed|Terminated|Aborted|Segmentation fault)"
 )
 _CANCELLED = re.compile(
     r"\*\*\* (?:JOB|STEP) [\d.]+ ON (?P<host>[\w.-]+) CANCELLED AT \S+ (?P<why>.*?)\s*\*\*\*"
@@ -73,7 +74,12 @@ def classify(text: str) -> list[LogFinding]:
             continue
         if m := _TASK_EXIT.search(line):
             findings.append(
-                LogFinding(LogKind.TASK_EXIT, line, host=m["host"], exit_code=int(m["code"]))
+                LogFinding(
+                    LogKind.TASK_EXIT,
+                    line,
+                    host=m["host"],
+                    exit_code=int(m["code"]) if m["code"] else None,  # None: killed by a signal
+                )
             )
             continue
         if m := _CANCELLED.search(line):

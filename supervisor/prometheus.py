@@ -29,6 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from supervisor.report import LossPoint, loss_from_matrix
 from supervisor.watchdog.snapshot import MetricSample, MetricsView, SourceHealth
 
 log = logging.getLogger("nightwatch.prometheus")
@@ -313,6 +314,36 @@ class PrometheusSource:
                 self.history.add(key, s)
         self.history.forget_except(keys)
         return {k: self.history.view(k, now) for k in keys}
+
+
+def loss_history(
+    url: str, run_id: str, since: float, *, client: httpx.Client | None = None
+) -> list[LossPoint]:
+    """The run's loss curve since `since` (unix s), for the report (docs/contracts.md, Report).
+
+    Raw scraped samples of `nightwatch_train_step` and `nightwatch_train_loss` (a range
+    selector, so both keep their scrape timestamps) joined by `loss_from_matrix`. An
+    unreachable or failing Prometheus gives an empty curve: the report then falls back to the
+    checkpoints' losses rather than failing.
+    """
+    span = max(1, math.ceil(time.time() - since))
+    own = client or httpx.Client(timeout=10.0)
+    try:
+        matrices = []
+        for name in (RUN_FIELDS["step"], RUN_FIELDS["loss"]):
+            payload = own.get(
+                f"{url.rstrip('/')}/api/v1/query",
+                params={"query": f'{name}{{run_id="{run_id}"}}[{span}s]'},
+            ).json()
+            parse_matrix(payload)  # raises PrometheusUnavailable on an error answer
+            matrices.append(payload["data"]["result"])
+    except (httpx.HTTPError, PrometheusUnavailable, ValueError) as exc:
+        log.warning(f"loss history of {run_id} unavailable: {type(exc).__name__}: {exc}")
+        return []
+    finally:
+        if client is None:
+            own.close()
+    return loss_from_matrix(*matrices)
 
 
 # --------------------------------------------------------------------------- direct scrape

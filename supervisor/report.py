@@ -10,8 +10,10 @@ Definitions (the same as the Fleet dashboard's):
   plus, for an active run whose newest attempt has not started, the time up to `now`;
 - steps lost: per incident as the watchdog recorded it; where none recorded it, the steps
   replayed after each restart (highest step an attempt reached minus the next one's resume step);
-- ETTR (effective training-time ratio): (wall − downtime − steps lost × mean step time) / wall,
-  where wall runs from the first attempt's start to the run's end (or `now`).
+- ETTR (effective training-time ratio): productive time / wall, where productive time is only
+  time in which steps advanced beyond the previous maximum (`accounting.productive_steps` ×
+  mean step time: replayed steps, failed submissions and attempts stuck at one step add
+  nothing) and wall runs from the first attempt's start to the run's end (or `now`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+from supervisor.watchdog import accounting
 
 Row = Mapping[str, Any]
 
@@ -361,10 +365,13 @@ def build_report(data: ReportData) -> Report:
     recorded = [i.steps_lost for i in lines if i.steps_lost is not None]
     steps_lost = sum(recorded) if recorded else sum(hi - lo for lo, hi in replays)
     step_s = mean_step_seconds(loss)
-    ettr = None
-    if wall > 0:
-        useful = wall - downtime - steps_lost * (step_s or 0.0)
-        ettr = min(1.0, max(0.0, useful / wall))
+    reached = [p.step for p in loss] + [_int(run.get("last_step"))]
+    start_step = _int(attempts[0].get("resume_step")) if attempts else None
+    ettr = accounting.run_ettr(
+        wall_s=wall,
+        productive_steps=accounting.productive_steps(start_step, reached),
+        mean_step_s=step_s,
+    )
 
     skips = [list(r) for r in run.get("skip_ranges") or []]
     windows = [

@@ -407,7 +407,9 @@ class SlurmCluster:
         ids: set[str] = set()
         try:
             ids.update(
-                parse_job_ids(self._run(["squeue", "-h", "-t", "all", "-o", "%i", "--name", job_name]))
+                parse_job_ids(
+                    self._run(["squeue", "-h", "-t", "all", "-o", "%i", "--name", job_name])
+                )
             )
         except SourceUnavailable as exc:
             squeue_error: SourceUnavailable | None = exc

@@ -144,6 +144,12 @@ class RecoverySpec(_Strict):
         default=2.0, gt=1, description="Also require loss > r × median."
     )
     loss_spike_sustain_steps: PositiveInt = 3
+    loss_spike_hard_factor: float = Field(
+        default=10.0,
+        gt=1,
+        description="Loss > factor × max of the trailing window is a spike without sustain "
+        "(Megatron's rule): a 1-2 step spike must not slip under the sustain window.",
+    )
     grad_norm_max: float = Field(default=10.0, gt=0, description="Sustained norm above → alarm.")
     throughput_drop_ratio: float = Field(default=0.5, gt=0, lt=1)
     straggler_ratio: float = Field(default=1.5, gt=1, description="Node step time / median.")

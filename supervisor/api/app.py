@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,9 +17,14 @@ from supervisor.api.principals import PrincipalCache
 from supervisor.api.routes import health, report, runs, specs, workers
 from supervisor.db import Database
 from supervisor.metrics import SupervisorMetrics
+from supervisor.prometheus import loss_history
+from supervisor.report import LossPoint
 from supervisor.settings import Settings
 
 log = logging.getLogger("nightwatch.api")
+
+#: How far back the report's loss curve reaches in Prometheus (its default retention).
+LOSS_HISTORY_S = 15 * 86400
 
 DESCRIPTION = """Control plane of Nightwatch: submit Megatron-Core training runs, follow them,
 cancel them. Authenticate with `Authorization: Bearer <token>` (`nightwatch token create`).
@@ -51,11 +57,20 @@ def create_app(
     app.state.registry = registry or CollectorRegistry()
     app.state.metrics = SupervisorMetrics(app.state.registry)
     app.state.principals = PrincipalCache(settings.token_cache_seconds)
+    if settings.prometheus_url:
+        app.state.loss_history = functools.partial(
+            _prometheus_loss_history, settings.prometheus_url
+        )
     errors.install(app)
     for module in (runs, specs, workers, health, report):
         app.include_router(module.router)
     app.add_middleware(RequestObserver)
     return app
+
+
+def _prometheus_loss_history(url: str, run_id: str) -> list[LossPoint]:
+    """The report's loss curve over the last LOSS_HISTORY_S (docs/contracts.md, Report)."""
+    return loss_history(url, run_id, since=time.time() - LOSS_HISTORY_S)
 
 
 class RequestObserver:

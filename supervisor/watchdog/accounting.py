@@ -2,14 +2,13 @@
 
 Definitions match `supervisor.report` (the overnight report): fault time is the first bad
 observation (bounded by the last healthy one), recovery is the first sample of a later attempt
-that shows a step beyond the step it resumed from, and ETTR is productive training time over
-wall time since the first attempt started.
+that shows a step beyond the step it resumed from, and ETTR is productive training time (only
+steps that advanced beyond the previous maximum) over wall time since the first attempt started.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 
 from supervisor.watchdog.snapshot import MetricSample
 
@@ -36,26 +35,21 @@ def steps_lost(step_at_fault: int | None, resumed_from: int | None) -> int | Non
     return max(0, step_at_fault - (resumed_from or 0))
 
 
-@dataclass(frozen=True)
-class Interval:
-    start: float
-    end: float | None  # None: still running
+def productive_steps(start_step: int | None, reached: Iterable[int | None]) -> int:
+    """Steps that moved training beyond its previous maximum: the highest step ever reached
+    (`reached`: per attempt / incident / the live gauge) minus where the first attempt
+    started. Steps replayed after a rollback never raise the maximum, and failed submissions
+    or attempts stuck at one step add nothing, so none of them counts as productive."""
+    top = max((r for r in reached if r is not None), default=None)
+    if top is None:
+        return 0
+    return max(0, top - (start_step or 0))
 
 
-def run_ettr(
-    running: Sequence[Interval],
-    *,
-    now: float,
-    steps_lost_total: int,
-    mean_step_s: float | None,
-) -> float | None:
-    """(time jobs ran − time spent recomputing lost steps) / wall time since the first start."""
-    if not running:
+def run_ettr(*, wall_s: float, productive_steps: int, mean_step_s: float | None) -> float | None:
+    """Productive time / wall time, productive time = productive steps × mean step time.
+    (Counting only the gaps between attempts as downtime reported 0.98 for a run stuck at
+    one step for 200 s.) None while wall time or the step time is unknown."""
+    if wall_s <= 0 or mean_step_s is None:
         return None
-    first = min(i.start for i in running)
-    wall = now - first
-    if wall <= 0:
-        return None
-    ran = sum(max(0.0, (i.end if i.end is not None else now) - i.start) for i in running)
-    replay = steps_lost_total * (mean_step_s or 0.0)
-    return max(0.0, min(1.0, (ran - replay) / wall))
+    return max(0.0, min(1.0, productive_steps * mean_step_s / wall_s))

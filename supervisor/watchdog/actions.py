@@ -124,6 +124,7 @@ def remedy_evidence(remedy: Remedy, ctx: ActContext) -> dict[str, Any]:
         "to_step": remedy.to_step,
         "skip_ranges": [list(r) for r in remedy.skip_ranges],
         "exclude_nodes": list(remedy.exclude_nodes),
+        "finding_nodes": list(f.nodes) if f else [],
         "attempt_nodes": list(ctx.attempt_nodes),
         "job_id": ctx.job_id,
         "incident_id": ctx.incident_id,

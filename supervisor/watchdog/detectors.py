@@ -118,6 +118,9 @@ def detect_nonfinite(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
                 "loss": _json_float(latest.loss),
                 "grad_norm": _json_float(latest.grad_norm),
                 "first_bad_at": bad.t,
+                # A finite loss with non-finite grads: the forward pass on the data was fine,
+                # the backward pass of some node was not (the policy's node suspicion).
+                "grads_only": _finite(bad.loss),
             },
             **_onset_fields(healthy, bad),  # type: ignore[arg-type]
         )
@@ -176,60 +179,101 @@ def _baseline(points: Sequence[MetricSample], end: int, rc: RecoverySpec) -> lis
 
 
 def detect_loss_spike(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
-    """Loss above a robust baseline (median/MAD of the trailing window AND ratio × median),
-    sustained for `loss_spike_sustain_steps` distinct steps, still high at the last sample."""
+    """Loss above a robust baseline, sustained (see `_sustained_spike`), or a short spike far
+    above everything in the trailing window (see `_hard_spike`)."""
     if not _metrics_ok(snap):
         return []
     points = [p for p in by_step(snap.metrics.samples) if _finite(p.loss)]
     if len(points) <= MIN_BASELINE_SAMPLES:
         return []
+    finding = _sustained_spike(points, rc) or _hard_spike(points, rc)
+    return [finding] if finding is not None else []
+
+
+def _window_max(p: MetricSample) -> float:
+    """The highest loss the sample knows of: its window max (survives scrapes), else its loss."""
+    return p.loss_window_max if _finite(p.loss_window_max) else p.loss  # type: ignore[return-value]
+
+
+def _sustained_spike(points: Sequence[MetricSample], rc: RecoverySpec) -> Finding | None:
+    """Loss above a robust baseline (median/MAD of the trailing window AND ratio × median),
+    sustained for `loss_spike_sustain_steps` distinct steps, still high at the last sample."""
     window = _baseline(points, len(points), rc)
 
     def high(thr: float) -> Callable[[MetricSample], bool]:
         def is_high(p: MetricSample) -> bool:
-            wmax = p.loss_window_max if _finite(p.loss_window_max) else p.loss
-            return p.loss > thr or wmax > thr  # type: ignore[operator]
+            return p.loss > thr or _window_max(p) > thr  # type: ignore[operator]
 
         return is_high
 
     thr, med, mad = spike_threshold([p.loss for p in window], rc)  # type: ignore[misc]
     start = _trailing_episode(points, high(thr))
     if start is None:
-        return []
+        return None
     # Median/MAD shrug off a short spike; a long one would drag them up, so re-judge
     # against the trailing window that ends where the episode starts.
     baseline = _baseline(points, start, rc)
     if len(baseline) < MIN_BASELINE_SAMPLES:
-        return []
+        return None
     thr, med, mad = spike_threshold([p.loss for p in baseline], rc)  # type: ignore[misc]
     start = _trailing_episode(points, high(thr))
     if start is None or start == 0:
-        return []
+        return None
     healthy, episode = points[start - 1], points[start:]
     steps = _elevated_steps(episode, thr, healthy.step or 0)
     if len(steps) < rc.loss_spike_sustain_steps:
-        return []
+        return None
     latest = episode[-1]
-    return [
-        Finding(
+    return Finding(
+        kind=FindingKind.LOSS_SPIKE,
+        summary=(
+            f"loss {latest.loss:.3g} vs baseline median {med:.3g} "
+            f"for {len(steps)} steps after step {healthy.step}"
+        ),
+        cause=Cause.DATA,
+        evidence={
+            "loss": latest.loss,
+            "loss_window_max": latest.loss_window_max,
+            "baseline_median": med,
+            "baseline_mad": mad,
+            "threshold": thr,
+            "elevated_steps": len(steps),
+            "baseline_samples": len(baseline),
+        },
+        **_onset_fields(healthy, episode[0]),  # type: ignore[arg-type]
+    )
+
+
+def _hard_spike(points: Sequence[MetricSample], rc: RecoverySpec) -> Finding | None:
+    """Megatron's rule: a loss above `loss_spike_hard_factor` × the max of the trailing window
+    is a spike at once. A 1-2 step spike is over before any sustain window fills, yet it is
+    what a poisoned batch looks like; the window max keeps it visible at the last sample."""
+    latest = points[-1]
+    for i in range(MIN_BASELINE_SAMPLES, len(points)):
+        baseline = _baseline(points, i, rc)
+        ref = max(p.loss for p in baseline)  # type: ignore[type-var]
+        thr = rc.loss_spike_hard_factor * ref  # type: ignore[operator]
+        if ref <= 0 or _window_max(points[i]) <= thr or _window_max(latest) <= thr:
+            continue
+        healthy = points[i - 1]
+        return Finding(
             kind=FindingKind.LOSS_SPIKE,
             summary=(
-                f"loss {latest.loss:.3g} vs baseline median {med:.3g} "
-                f"for {len(steps)} steps after step {healthy.step}"
+                f"loss {_window_max(points[i]):.3g} > {rc.loss_spike_hard_factor:g} × "
+                f"trailing max {ref:.3g} after step {healthy.step}"
             ),
             cause=Cause.DATA,
             evidence={
                 "loss": latest.loss,
                 "loss_window_max": latest.loss_window_max,
-                "baseline_median": med,
-                "baseline_mad": mad,
+                "trailing_max": ref,
                 "threshold": thr,
-                "elevated_steps": len(steps),
+                "rule": "hard_factor",
                 "baseline_samples": len(baseline),
             },
-            **_onset_fields(healthy, episode[0]),  # type: ignore[arg-type]
+            **_onset_fields(healthy, points[i]),  # type: ignore[arg-type]
         )
-    ]
+    return None
 
 
 def detect_grad_explosion(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:

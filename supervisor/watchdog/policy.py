@@ -2,18 +2,22 @@
 
 The ladder for a fault that keeps coming back, per fault family:
 - numeric (NaN, loss spike, grad explosion): blame the data first (roll back before the
-  onset, skip the samples); if it recurs right after the skipped window, skip more (within
+  onset, skip the samples); non-finite grads with a finite loss that recur after a skip
+  suspect a node at once; if it recurs right after the skipped window, skip more (within
   `max_rollbacks_per_incident`); if it recurs elsewhere or the budget is spent, suspect a node;
   if it followed the job onto fresh nodes, suspect data/code: roll back if not tried, else a
   person decides.
-- hang / crash: restart once; if it recurs, suspect the nodes common to every faulty attempt.
+- hang / crash: restart once; if it recurs, suspect the nodes common to every faulty attempt
+  (a crash attributed to a node: only when it recurs on that node).
 - preemption / walltime: requeue (never counted as a restart).
-Budgets: restarts per window (restart storm), excluded nodes per run, no progress across
-remedies; exhausted → ESCALATE. Sources that are down never lead to a destructive remedy.
+Budgets: restarts per window (restart storm; failed resubmissions count, and back off),
+excluded nodes per run, no progress across remedies; exhausted → ESCALATE. Sources that are
+down never lead to a destructive remedy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from supervisor.spec import RecoverySpec
@@ -33,6 +37,9 @@ from supervisor.watchdog.snapshot import (
 
 #: Remedies in a row that did not move training past where the first of them was decided.
 NO_PROGRESS_REMEDIES = 3
+#: Wait before resubmitting after a failed submission, doubled per failure in a row (capped).
+SUBMIT_BACKOFF_S = 10.0
+SUBMIT_BACKOFF_MAX_S = 300.0
 
 _HANG_FAMILY = frozenset({FindingKind.HANG})
 _CRASH_FAMILY = frozenset({FindingKind.JOB_FAILED, FindingKind.JOB_LOST})
@@ -96,6 +103,21 @@ def _budget_check(
     return None
 
 
+def submit_backoff(history: RunHistory, attempt: int) -> float | None:
+    """When `attempt` is the one whose submission failed: seconds to wait after that remedy
+    before resubmitting (SUBMIT_BACKOFF_S doubled per failure in a row); None otherwise."""
+    if not history.remedies or not history.remedies[-1].failed:
+        return None
+    if history.remedies[-1].attempt != attempt - 1:
+        return None
+    failures = 0
+    for r in reversed(history.remedies):
+        if not r.failed:
+            break
+        failures += 1
+    return min(SUBMIT_BACKOFF_MAX_S, SUBMIT_BACKOFF_S * 2 ** (failures - 1))
+
+
 def node_suspects(finding: Finding, prior: Sequence[PastRemedy], history: RunHistory) -> list[str]:
     """Nodes that were part of every faulty attempt (and not yet excluded), worst first."""
     if finding.nodes:
@@ -112,6 +134,8 @@ def node_suspects(finding: Finding, prior: Sequence[PastRemedy], history: RunHis
 def _exclude(
     nodes: Sequence[str], finding: Finding, history: RunHistory, rc: RecoverySpec, why: str
 ) -> Remedy:
+    if history.attempt_nodes:  # a name SLURM does not know makes every resubmission fail
+        nodes = [n for n in nodes if n in history.attempt_nodes]
     if not nodes:
         return _escalate(f"{why}; no node left to suspect", finding, Cause.CODE)
     if history.usable_nodes is not None:
@@ -227,6 +251,21 @@ def _numeric(
             break
         trailing += 1
     if last.kind is RemedyKind.ROLLBACK:
+        if (
+            finding.kind is FindingKind.NONFINITE
+            and finding.evidence.get("grads_only")
+            and last.skip_ranges
+        ):
+            # Bad data makes the loss non-finite too; finite loss with NaN grads right after
+            # skipping their window (it "continues" only because training reached that step
+            # again) is a node's backward pass.
+            return _node_ladder(
+                finding,
+                prior,
+                history,
+                rc,
+                "non-finite grads recurred after their data window was skipped: suspect a node",
+            )
         if _adjoins_skips(finding, rollbacks, global_batch):
             if trailing < rc.max_rollbacks_per_incident:
                 # The bad window is longer than the skip: skip at least twice as much again.
@@ -277,6 +316,20 @@ def _restart_then_nodes(
         return _escalate(f"program error: {finding.summary}", finding, Cause.CODE)
     if not prior:
         return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
+    if finding.kind in _CRASH_FAMILY and finding.nodes:
+        # A rank crash blames its node only when it recurs there.
+        same = [n for n in finding.nodes if any(n in r.finding_nodes for r in prior)]
+        if not same:
+            return Remedy(
+                RemedyKind.RESTART, f"{finding.summary} (on another node)", finding=finding
+            )
+        return _node_ladder(
+            dataclasses.replace(finding, nodes=tuple(same)),
+            prior,
+            history,
+            rc,
+            f"crash recurred on {', '.join(same)}",
+        )
     return _node_ladder(
         finding, prior, history, rc, f"{finding.kind.value} recurred after {len(prior)} remedies"
     )
@@ -310,6 +363,14 @@ def decide(
     budget = _budget_check(history, rc, snap.now, step, finding)
     if budget is not None:
         return budget
+    backoff = submit_backoff(history, snap.attempt)
+    if backoff is not None:
+        due = history.remedies[-1].at + backoff
+        if snap.now < due:
+            return Remedy(
+                RemedyKind.NONE, f"submission failed; resubmitting in {due - snap.now:.0f} s"
+            )
+        return Remedy(RemedyKind.RESTART, f"resubmit: {finding.summary}", finding=finding)
     prior = [
         r
         for r in _recent(history, rc, snap.now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -29,7 +30,7 @@ from sqlalchemy.orm import defer
 
 from supervisor import store
 from supervisor.db import Database
-from supervisor.joblog import LogKind, classify, suspect_hosts
+from supervisor.joblog import LogFinding, LogKind, classify, suspect_hosts
 from supervisor.metrics import SupervisorMetrics
 from supervisor.models import (
     ACTIVE_RUN_STATES,
@@ -184,27 +185,61 @@ def job_view(
     )
 
 
-LogCause = tuple[Cause | None, str | None, tuple[str, ...]]  # cause, log line, named hosts
+LogCause = tuple[Cause | None, str | None, tuple[str, ...]]  # cause, log line, named nodes
+
+#: What a rank logs when a PEER died (gloo/NCCL): the address it names is the reporting
+#: side's view of the dead peer (127.0.0.1 on one host), so it blames the rank that crashed.
+_PEER_CLOSED = re.compile(r"Connection (?:closed|reset) by peer", re.IGNORECASE)
+_IPV4 = re.compile(r"\d+\.\d+\.\d+\.\d+")
 
 
-def log_cause(text: str, exit_code: int | None, made_progress: bool) -> LogCause:
-    """Blame from a failed job's log (pure): collective errors name nodes, an exception before
-    the first step is a program error, an injected or transient crash stays unknown."""
+def node_names(hosts: Iterable[str], nodes: Sequence[str]) -> tuple[str, ...]:
+    """Hosts named in a log as the attempt's SLURM node names (pure): exact or short-name
+    match (`gpu13.cluster` → `gpu13`); anything else (an address, a host outside the
+    attempt) is dropped, because excluding it makes every resubmission fail with sbatch's
+    `Invalid node name specified`."""
+    out: list[str] = []
+    for host in hosts:
+        short = host if _IPV4.fullmatch(host) else host.split(".")[0]
+        name = host if host in nodes else short if short in nodes else None
+        if name is not None and name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def crashed_hosts(findings: Sequence[LogFinding]) -> list[str]:
+    """Hosts of the tasks that died on their own: killed by a signal or exited with a code
+    other than 1 (a peer that lost them raises and exits 1); else the first task srun saw end."""
+    exits = [f for f in findings if f.kind is LogKind.TASK_EXIT and f.host]
+    own = [f for f in exits if f.exit_code not in (0, 1)]
+    return list(dict.fromkeys(f.host for f in own or exits[:1] if f.host))
+
+
+def log_cause(
+    text: str, exit_code: int | None, made_progress: bool, nodes: Sequence[str] = ()
+) -> LogCause:
+    """Blame from a failed job's log (pure), naming only the attempt's nodes (`nodes`):
+    collective errors name a faulty node; a peer's "connection closed" and a killed or
+    crashed rank are a plain crash of that rank's node (restart, exclusion only when it
+    recurs there); an exception before the first step is a program error."""
     findings = classify(text)
-    hosts = tuple(suspect_hosts(findings))
     kinds = {f.kind for f in findings}
     first = findings[-1].line if findings else None
+    crashed = node_names(crashed_hosts(findings), nodes)
     if exit_code == EXIT_REQUEUE:
         return Cause.INFRA, first, ()
-    if LogKind.COLLECTIVE_ERROR in kinds or LogKind.NODE_FAILURE in kinds:
-        return Cause.NODE, first, hosts
+    collective = {LogKind.COLLECTIVE_ERROR, LogKind.NODE_FAILURE}
+    peer_lost = any(f.kind in collective and _PEER_CLOSED.search(f.line) for f in findings)
+    blaming = [f for f in findings if f.kind in collective and not _PEER_CLOSED.search(f.line)]
+    if blaming:
+        return Cause.NODE, first, node_names(suspect_hosts(blaming), nodes)
     if LogKind.OUT_OF_MEMORY in kinds:
         return Cause.CODE, first, ()
-    if exit_code == EXIT_INJECTED_CRASH:
-        return Cause.UNKNOWN, first, ()
+    if peer_lost or exit_code == EXIT_INJECTED_CRASH:
+        return Cause.UNKNOWN, first, crashed
     if LogKind.PYTHON_EXCEPTION in kinds and not made_progress:
         return Cause.CODE, first, ()
-    return Cause.UNKNOWN if findings else None, first, ()
+    return Cause.UNKNOWN if findings else None, first, crashed
 
 
 def history_from_rows(
@@ -217,11 +252,13 @@ def history_from_rows(
     usable_nodes: Iterable[str] | None = None,
     nodes_needed: int = 1,
 ) -> RunHistory:
-    """The policy's view of the past, rebuilt from the actions' recorded evidence (pure)."""
+    """The policy's view of the past, rebuilt from the actions' recorded evidence (pure).
+    Remedies whose resubmission failed are kept (marked `failed`): they count against the
+    restart budget, or a submission that keeps failing would be retried forever."""
     remedies = []
     kinds = {k.value for k in RemedyKind}
     for a in actions:
-        if a.kind not in kinds or a.state is ActionState.FAILED:
+        if a.kind not in kinds:
             continue
         ev = a.evidence_json or {}
         finding_kind = ev.get("finding_kind")
@@ -236,6 +273,8 @@ def history_from_rows(
                 excluded=tuple(ev.get("exclude_nodes", ())),
                 attempt_nodes=tuple(ev.get("attempt_nodes", ())),
                 incident_id=ev.get("incident_id"),
+                finding_nodes=tuple(ev.get("finding_nodes", ())),
+                failed=a.state is ActionState.FAILED,
             )
         )
     return RunHistory(
@@ -669,7 +708,8 @@ class Reconciler:
                 files = []
             text = "\n".join(tail(f) for f in files)
             progress = any(s.step for s in view.samples)
-            self._log_causes[key] = log_cause(text, status.exit_code, progress)
+            nodes = status.nodes or tuple(attempt.nodes_json or ())
+            self._log_causes[key] = log_cause(text, status.exit_code, progress, nodes)
         return self._log_causes[key]
 
     def _record_attempt(self, run: Run, attempt: Attempt, job: JobView) -> None:
@@ -874,23 +914,26 @@ class Reconciler:
         return out
 
     def _export_ettr(self, run_id: str, view: MetricsView, now: float) -> None:
-        """ETTR gauge, refreshed whenever the run's downtime changes (remedy, recovery)."""
+        """ETTR gauge, refreshed on remedies and recoveries: steps reached come from the
+        incidents (step before each fault), the run's last step and the live gauge."""
         with self.db.session() as s:
             attempts = store.get_attempts(s, run_id)
-            lost = s.scalar(
-                select(func.coalesce(func.sum(Incident.steps_lost), 0)).where(
-                    Incident.run_id == run_id
-                )
-            )
-        running = [
-            accounting.Interval(a.started_at.timestamp(), _ts(a.ended_at))
-            for a in attempts
-            if a.started_at is not None
+            evidence = s.scalars(
+                select(Incident.evidence_json).where(Incident.run_id == run_id)
+            ).all()
+            last_step = s.scalar(select(Run.last_step).where(Run.id == run_id))
+        starts = [a.started_at.timestamp() for a in attempts if a.started_at is not None]
+        first = min(attempts, key=lambda a: a.number, default=None)
+        reached = [
+            *((ev or {}).get("step") for ev in evidence),
+            last_step,
+            view.latest.step if view.latest is not None else None,
         ]
         ettr = accounting.run_ettr(
-            running,
-            now=now,
-            steps_lost_total=int(lost or 0),
+            wall_s=now - min(starts) if starts else 0.0,
+            productive_steps=accounting.productive_steps(
+                first.resume_step if first is not None else None, reached
+            ),
             mean_step_s=median_step_time(view.samples) if view.samples else None,
         )
         if ettr is not None:

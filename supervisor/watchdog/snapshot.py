@@ -233,6 +233,8 @@ class PastRemedy:
     excluded: tuple[str, ...] = ()
     attempt_nodes: tuple[str, ...] = ()
     incident_id: int | None = None
+    finding_nodes: tuple[str, ...] = ()  # nodes the finding named (a crash: the crashed rank's)
+    failed: bool = False  # its resubmission failed (counts against the budget, backs off)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -29,7 +30,8 @@ def test_numbers_of_a_rolled_back_run() -> None:
     assert r.downtime_s == pytest.approx(RESTART_GAP_S)
     assert r.steps_lost == 13
     assert r.mean_step_s == pytest.approx(STEP_S)
-    assert r.ettr == pytest.approx((wall - RESTART_GAP_S - 13 * STEP_S) / wall)
+    # Productive: steps 1..60 once each (31..43 replayed after the rollback are not).
+    assert r.ettr == pytest.approx(60 * STEP_S / wall)
     assert r.nodes_excluded == ["n2"]
     (incident,) = r.incidents
     assert incident.onset_step == 41
@@ -149,3 +151,19 @@ def test_checkpoint_points_are_attributed_to_the_attempt_running_then() -> None:
 )
 def test_format_duration(seconds: float | None, text: str) -> None:
     assert format_duration(seconds) == text
+
+
+def test_ettr_counts_no_stuck_attempt_and_no_failed_submission_as_productive() -> None:
+    """R1: a run whose newest attempt sits at one step, followed by failed submissions
+    (attempts that never started), was reported at ETTR 0.98: only gaps between an end and
+    the next start counted as downtime."""
+    data = scenario(finished=False)
+    wall = data.now - T0.timestamp()
+    failed = [
+        {"number": n, "job_id": None, "state": "failed", "started_at": None,
+         "ended_at": at(wall - 10 * n), "end_reason": "submit failed", "resume_step": 30}
+        for n in (3, 4, 5)
+    ]  # fmt: skip
+    r = build_report(dataclasses.replace(data, attempts=[*data.attempts, *failed]))
+    assert r.ettr == pytest.approx(60 * STEP_S / wall)
+    assert r.ettr < 0.05

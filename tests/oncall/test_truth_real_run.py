@@ -1,204 +1,228 @@
-"""The dashboard truth test against the real parts: a real CPU Megatron-Core training process,
-discovered by a real Prometheus through the real supervisor API's HTTP-SD with a real `read`
-token, and the supervisor's own /metrics.
+"""The dashboard truth test against the real parts, in one shared scenario.
 
-Every query whose metric names the stack exports must return data. A query naming a
-`nightwatch_train_*` metric the training program does not export fails outright; a query
-waiting on `nightwatch_supervisor_*` metrics that no part exports yet is listed in a warning
-and becomes checked, with no change here, once the watchdog exports them.
+`nightwatch serve` (API + reconciler, SQLite, submitit's local executor, the Prometheus metrics
+source) runs as a subprocess; a real Prometheus, started from the repository's prometheus.yml
+and alerts.yml, scrapes it and discovers the workers through its `/v1/prometheus/targets` with a
+real `read` token. A tiny CPU Megatron-Core run is submitted through the API with a poisoned
+data window, so the watchdog detects a loss spike, rolls back and skips the window, and the run
+trains on. While it does, every dashboard panel, variable, annotation and alert expression is
+executed against that Prometheus: one that returns nothing fails. Then `nightwatch report`
+(the real CLI, against the running supervisor) must tell the story in text and in a PNG.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
+import signal
 import subprocess
 import sys
-import threading
-import warnings
+import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import numpy as np
 import pytest
-import uvicorn
+from matplotlib.image import imread
 from oncall_live import free_port, prometheus_config, start_prometheus, wait_for
-from prometheus_client import CollectorRegistry
-from promql_truth import all_queries, failures, run_queries, selectors
+from promql_truth import all_queries, failures, run_queries
 
 from supervisor import store
-from supervisor.api.app import create_app
 from supervisor.auth import Scope
+from supervisor.cli.demo import BATCH, demo_spec
 from supervisor.db import Database
-from supervisor.models import RunState
-from supervisor.report import loss_from_matrix
-from supervisor.settings import Settings
-from supervisor.spec import RunSpec
+from supervisor.prometheus import loss_history
 
-pytestmark = pytest.mark.integration  # real training, API and Prometheus
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
-SPEC = """
-name: truth-run
-model: {num_layers: 2, hidden_size: 32, num_attention_heads: 4, seq_length: 32,
-        vocab_size: 4096, precision: fp32}
-parallelism: {tensor: 1, pipeline: 1, data: 1, distributed_optimizer: false}
-resources: {nodes: 1, gpus_per_node: 1, cpus_per_task: 1, time_limit_minutes: 10}
-training: {train_steps: 100000, micro_batch_size: 2, global_batch_size: 2, lr: 1.0e-3,
-           min_lr: 1.0e-4}
-checkpoint: {interval_steps: 10, keep_last: 2}
-"""
+
+
+#: Steps 121-144 are poisoned: one CPU process runs several steps a second, so the watchdog
+#: first needs a dozen scrapes of healthy loss for its baseline.
+POISON = (120 * BATCH, 144 * BATCH)
+
+
+def scenario_spec() -> dict[str, Any]:
+    """`nightwatch demo`'s poisoned run on one CPU process, long enough to outlive the test."""
+    spec = demo_spec(100_000, "", "")
+    spec.update(
+        name="truth-run",
+        data={},  # the built-in demo corpus, prepared by the trainer under NIGHTWATCH_HOME
+        parallelism={"tensor": 1, "pipeline": 1, "data": 1, "distributed_optimizer": False},
+        resources={"nodes": 1, "gpus_per_node": 1, "cpus_per_task": 1},
+        faults=[{"kind": "poison_data", "start_sample": POISON[0], "end_sample": POISON[1]}],
+    )
+    return spec
 
 
 @dataclass
-class RealStack:
+class Scenario:
+    tmp: Path
+    api: str
     prometheus: str
     run_id: str
+    cli_env: dict[str, str]
+
+    def run(self) -> dict[str, Any]:
+        return httpx.get(
+            f"{self.api}/v1/runs/{self.run_id}", headers=self.headers, timeout=10
+        ).json()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.cli_env['NIGHTWATCH_TOKEN']}"}
+
+    def value(self, expr: str) -> float | None:
+        answer = httpx.get(
+            f"{self.prometheus}/api/v1/query", params={"query": expr}, timeout=10
+        ).json()
+        result = answer["data"]["result"]
+        return float(result[0]["value"][1]) if result else None
 
 
-def _serve(stack: ExitStack, app: object) -> str:
-    """uvicorn on a free loopback port in a thread of this process."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    stack.callback(thread.join, 10)
-    stack.callback(setattr, server, "should_exit", True)
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: httpx.get(f"{url}/healthz", timeout=2).status_code == 200, 20, "the API")
-    return url
-
-
-def _stop_training(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM: the loop checkpoints at the next step boundary and exits 75."""
+def _stop_supervisor(proc: subprocess.Popen[bytes]) -> None:
+    """TERM the server, then KILL whatever is left of its process group (local job tasks)."""
     proc.terminate()
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _metrics_ready(log: Path) -> dict[str, object] | None:
-    for line in log.read_text(errors="replace").splitlines():
-        if '"metrics_ready"' in line:
-            return json.loads(line)
-    return None
+def _cancel(scenario: Scenario) -> None:
+    """Cancel the run through the API and wait until the supervisor has seen its job end."""
+    httpx.post(
+        f"{scenario.api}/v1/runs/{scenario.run_id}/cancel", headers=scenario.headers, timeout=10
+    )
+
+    def ended() -> bool:
+        run = scenario.run()
+        return run["state"] == "cancelled" and all(a["ended_at"] for a in run["attempts"])
+
+    wait_for(ended, 60, "the run's job to end after cancel")
 
 
 @pytest.fixture(scope="module")
-def real_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealStack]:
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     tmp = tmp_path_factory.mktemp("real")
+    home = tmp / "home"
+    home.mkdir()
+    db = Database(f"sqlite:///{home / 'nightwatch.db'}")
+    db.upgrade()
+    with db.write_session() as s:
+        read = store.create_token(s, "prometheus", [Scope.READ])[1]
+        submit = store.create_token(s, "oncall", [Scope.SUBMIT])[1]
+    db.dispose()
+    port = free_port()
+    api = f"http://127.0.0.1:{port}"
     with ExitStack() as stack:
-        db = Database(f"sqlite:///{tmp / 'nightwatch.db'}")
-        stack.callback(db.dispose)
-        db.upgrade()
-        spec = RunSpec.from_text(SPEC)
-        with db.write_session() as s:
-            read = store.create_token(s, "prometheus", [Scope.READ])[1]
-            submit = store.create_token(s, "worker", [Scope.SUBMIT])[1]
-            run, _ = store.create_run(s, spec)
-            run_id = run.id
-            store.create_attempt(s, run_id, executor="local")
-            store.transition_run(s, run_id, RunState.SUBMITTED)
-            store.transition_run(s, run_id, RunState.RUNNING)
-        app = create_app(Settings(home=tmp / "home"), database=db, registry=CollectorRegistry())
-        api = _serve(stack, app)
-
         token_file = tmp / "nightwatch_token"
         token_file.write_text(read + "\n")
-        sd_url = f"{api}/v1/prometheus/targets"
-        prom = start_prometheus(
-            stack, tmp, prometheus_config(sd_url, api.removeprefix("http://"), token_file)
-        )
-
-        (tmp / "spec.yaml").write_text(SPEC)
-        log = tmp / "train.log"
+        config = prometheus_config(f"{api}/v1/prometheus/targets", f"127.0.0.1:{port}", token_file)
+        prometheus = start_prometheus(stack, tmp, config)
         env = {
-            **os.environ, "NIGHTWATCH_HOME": str(tmp / "home"), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-            "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1",
+            **os.environ, "NIGHTWATCH_HOME": str(home), "NIGHTWATCH_PORT": str(port),
+            "NIGHTWATCH_PUBLIC_URL": api, "NIGHTWATCH_PROMETHEUS_URL": prometheus,
+            "NIGHTWATCH_EXECUTOR": "local", "NIGHTWATCH_TICK_SECONDS": "1",
+            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
         }  # fmt: skip
-        with log.open("w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "megatron_runs.train", "--spec", str(tmp / "spec.yaml"),
-                 "--run-id", run_id, "--attempt", "1", "--checkpoint-dir", str(tmp / "ckpt"),
-                 "--metrics-port", "0"],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        stack.callback(_stop_training, proc)
-        wait_for(lambda: _metrics_ready(log) or proc.poll() is not None, 180, "training start")
-        ready = _metrics_ready(log)
-        assert ready is not None, log.read_text()[-3000:]
-        # what the worker's registrar does on a cluster: register the endpoint with the API
-        httpx.put(
-            f"{api}/v1/runs/{run_id}/attempts/1/endpoints/{ready['node']}",
-            json={"host": ready["host"], "port": ready["port"]},
-            headers={"Authorization": f"Bearer {submit}"},
+        log = stack.enter_context((tmp / "supervisor.log").open("w"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "serve"],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        stack.callback(_stop_supervisor, proc)
+        wait_for(lambda: httpx.get(f"{api}/healthz", timeout=2).status_code == 200, 60, "serve")
+        cli_env = {**os.environ, "NIGHTWATCH_URL": api, "NIGHTWATCH_TOKEN": submit}
+        created = httpx.post(
+            f"{api}/v1/runs", json=scenario_spec(), headers={"Authorization": f"Bearer {submit}"},
             timeout=10,
-        ).raise_for_status()
+        )  # fmt: skip
+        created.raise_for_status()
+        live = Scenario(tmp, api, prometheus, created.json()["id"], cli_env)
+        stack.callback(_cancel, live)
 
-        def scraped() -> bool:
-            answer = httpx.get(
-                f"{prom}/api/v1/query",
-                params={"query": "count_over_time(nightwatch_train_checkpoint_step[1m]) >= 5"},
-                timeout=5,
-            ).json()
-            return bool(answer["data"]["result"])
+        def recovered() -> bool:
+            state = live.run()["state"]
+            assert state in ("pending", "submitted", "running", "recovering"), (
+                f"run went {state}; supervisor log:\n{(tmp / 'supervisor.log').read_text()[-3000:]}"
+            )
+            return (live.value("sum(nightwatch_supervisor_mttr_seconds_count)") or 0) >= 1
 
-        wait_for(scraped, 90, "five scrapes of the training process after a checkpoint")
-        assert proc.poll() is None, log.read_text()[-3000:]
-        yield RealStack(prom, run_id)
-
-
-def _exported(prometheus: str) -> set[str]:
-    answer = httpx.get(f"{prometheus}/api/v1/label/__name__/values", timeout=10).json()
-    return set(answer["data"])
+        wait_for(recovered, 240, "the poisoned run to be rolled back and recover")
+        yield live
 
 
-def _names(expr: str) -> set[str]:
-    return {re.sub(r"\{.*", "", s) for s in selectors(expr)}
-
-
-def test_dashboards_and_alerts_against_the_real_stack(real_stack: RealStack) -> None:
-    exported = _exported(real_stack.prometheus)
-    assert "nightwatch_supervisor_runs" in exported  # the real supervisor is scraped
+def test_every_panel_and_alert_returns_data_from_the_real_stack(scenario: Scenario) -> None:
     queries = all_queries()
-    missing_train = sorted(
-        {n for q in queries for n in _names(q.expr) if n.startswith("nightwatch_train_")} - exported
-    )
-    assert not missing_train, (
-        f"dashboards use train metrics the worker never exports: {missing_train}"
-    )
-    checkable = [q for q in queries if _names(q.expr) <= exported]
-    pending = [q.source for q in queries if not _names(q.expr) <= exported]
-    results = run_queries(checkable, real_stack.prometheus, {"run_id": real_stack.run_id})
-    assert not failures(results), "\n".join(failures(results))
-    assert sum(q.kind == "panel" for q in checkable) >= 25
-    if pending:
-        warnings.warn(
-            f"{len(pending)} queries wait for supervisor metrics not exported yet: {pending}",
-            stacklevel=1,
-        )
+    assert sum(q.kind == "panel" for q in queries) >= 25
+    values = {"run_id": scenario.run_id}
+    # Just after recovery a few series may still wait for their second scrape (increase()).
+    deadline = time.monotonic() + 30
+    while bad := failures(run_queries(queries, scenario.prometheus, values)):
+        assert time.monotonic() < deadline, "\n".join(bad)
+        time.sleep(1)
+    assert scenario.run()["state"] == "running"  # the run_* gauges were read while active
 
 
-def test_loss_history_joins_real_scrapes(real_stack: RealStack) -> None:
-    """The report's loss curve from Prometheus: step and loss pair up by scrape timestamp."""
+def test_report_cli_tells_the_story(scenario: Scenario) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "supervisor.cli", "report", scenario.run_id, *args],
+            cwd=REPO, env=scenario.cli_env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
 
-    def matrix(name: str) -> list[dict[str, object]]:
-        query = f'{name}{{run_id="{real_stack.run_id}"}}[5m]'
-        answer = httpx.get(
-            f"{real_stack.prometheus}/api/v1/query", params={"query": query}, timeout=10
-        ).json()
-        return answer["data"]["result"]
+    png = scenario.tmp / "report.png"
+    done = cli("--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    run = scenario.run()
+    (lo, hi), *_ = run["skip_ranges"]
+    assert lo <= POISON[0] and hi >= POISON[1]
+    for needle in (
+        "loss_spike began at step",  # the fault
+        "loss_spike detected at step",  # the detection
+        f"rollback step={run['resume_step']}",  # the remedy
+        f"skip [{lo}, {hi})",  # the skipped window, on the new attempt
+        "attempt 2 started",
+        "loss_spike recovered (MTTR",
+    ):
+        assert needle in text, f"{needle!r} missing from the report:\n{text}"
 
-    steps, losses = matrix("nightwatch_train_step"), matrix("nightwatch_train_loss")
-    points = loss_from_matrix(steps, losses)
-    assert len(points) >= 4
-    assert len(points) == len({p.step for p in points})  # one point per step seen
-    assert [p.step for p in points] == sorted(p.step for p in points)
-    assert all(p.attempt == 1 and 0 < p.loss < 20 for p in points)
+    body = httpx.get(
+        f"{scenario.api}/v1/runs/{scenario.run_id}/report", headers=scenario.headers, timeout=30
+    ).json()
+    windows = {w["kind"]: w for w in body["windows"]}
+    assert windows["skipped"]["start_step"] <= POISON[0] // BATCH + 1
+    assert "rollback" in windows
+    # the curve is Prometheus's (per attempt, every scrape), not only the checkpoints' losses
+    scraped = [p for p in body["loss"] if p.get("source") != "checkpoint"]
+    assert {p["attempt"] for p in scraped} >= {1, 2}
+    assert len(scraped) > 20
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    px = imread(png)[..., :3]
+    reddish = (px[..., 0] > 0.85) & (px[..., 1] < 0.8) & (px[..., 2] < 0.8)
+    assert reddish.sum() > 2_000  # the skipped window's hatch
+    assert len(np.unique((px.reshape(-1, 3) * 20).round(), axis=0)) > 50
+
+
+def test_loss_history_joins_real_scrapes(scenario: Scenario) -> None:
+    """`supervisor.prometheus.loss_history`: step and loss pair up by scrape timestamp."""
+    points = loss_history(scenario.prometheus, scenario.run_id, since=time.time() - 900)
+    by_attempt: dict[int | None, list[int]] = {}
+    for p in points:
+        by_attempt.setdefault(p.attempt, []).append(p.step)
+    assert set(by_attempt) >= {1, 2}
+    for steps in by_attempt.values():
+        assert steps == sorted(set(steps))  # one point per step seen, in order
+    # attempt 2 resumed from a checkpoint before the poisoned window: it replays steps
+    assert min(by_attempt[2]) < max(by_attempt[1])
+    assert min(by_attempt[1]) < POISON[0] // BATCH < max(by_attempt[1])
+    assert loss_history("http://127.0.0.1:9", scenario.run_id, since=time.time()) == []

@@ -231,3 +231,57 @@ def test_startup_hang_after_ten_floors_without_a_first_step(rc: RecoverySpec) ->
     assert detect_startup_hang(dataclasses.replace(blind, attempt_started_at=started), rc) == []
     pending = snapshot([], health=SourceHealth.MISSING, job_state=JobState.PENDING)
     assert detect_startup_hang(dataclasses.replace(pending, attempt_started_at=0.0), rc) == []
+
+
+@pytest.mark.parametrize("steps_per_sample", [1, 3])
+def test_short_spike_far_above_the_trailing_max_is_found_without_sustain(
+    rc: RecoverySpec, steps_per_sample: int
+) -> None:
+    """W5: a 2-step spike of 30× is over before the sustain window fills; Megatron's rule
+    (loss > 10 × the trailing max) flags it, with the onset bounded as for a sustained one."""
+    for seed in range(10):
+        samples = simulate(
+            seed,
+            steps=300,
+            steps_per_sample=steps_per_sample,
+            faults=Faults(spike_steps=(200, 202), spike_factor=30.0),
+        )
+        upto = [s for s in samples if (s.step or 0) <= 206]
+        (f,) = detect_loss_spike(snapshot(upto), rc)
+        assert f.evidence["rule"] == "hard_factor", seed
+        assert f.last_healthy_step is not None and f.first_bad_step is not None
+        assert f.last_healthy_step < 200 <= f.first_bad_step
+        lo, hi = f.sample_window  # type: ignore[misc]
+        assert lo <= 199 * GLOBAL_BATCH < hi
+        off = rc.model_copy(update={"loss_spike_hard_factor": 40.0})
+        assert detect_loss_spike(snapshot(upto), off) == []
+
+
+def test_fresh_attempt_exporting_checkpoint_zero_is_not_a_stall(rc: RecoverySpec) -> None:
+    """W3: a resumed process exports checkpoint step 0 until it saves; the checkpoints on
+    disk are recent, so a fresh attempt shaped like the soak's (resumed from 90, interval
+    10, gauge 0) yields no finding at all."""
+    samples = simulate(2, steps=104, steps_per_sample=1, faults=Faults(checkpoint_every=10_000))
+    fresh = [s for s in samples if (s.step or 0) > 90]
+    assert all(s.checkpoint_step == 0 for s in fresh)
+    snap = dataclasses.replace(
+        snapshot(fresh, disk_checkpoint_step=100, attempt=2), checkpoint_interval_steps=10
+    )
+    assert detect_all(snap, rc) == []
+    stale = dataclasses.replace(snap, disk_checkpoint_step=60)
+    assert [f.kind for f in detect_all(stale, rc)] == [FindingKind.CHECKPOINT_STALL]
+
+
+def test_nonfinite_grads_with_a_finite_loss_are_marked_grads_only(rc: RecoverySpec) -> None:
+    """W4: the evidence the policy needs to tell a node's NaN grads from NaN-making data."""
+    samples = simulate(1, steps=200, steps_per_sample=2)
+    sick = [
+        dataclasses.replace(s, grad_norm=math.nan, nonfinite_total=float(s.step - 150))  # type: ignore[operator]
+        if (s.step or 0) > 150
+        else s
+        for s in samples
+    ]
+    (f,) = detect_nonfinite(snapshot(sick), rc)
+    assert f.evidence["grads_only"] is True
+    data = simulate(1, steps=200, steps_per_sample=2, faults=Faults(nan_from=151))
+    assert detect_nonfinite(snapshot(data), rc)[0].evidence["grads_only"] is False

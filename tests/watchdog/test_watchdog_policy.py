@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from watchdog_curves import GLOBAL_BATCH, snapshot
 
@@ -283,3 +285,90 @@ def test_exclusion_needs_a_spare_node(rc: RecoverySpec) -> None:
     tight = RunHistory(usable_nodes=frozenset({"n1", "n2"}), nodes_needed=2)
     r = decide(snap_at(10), [fail], tight, rc)
     assert r.kind is RemedyKind.ESCALATE and "no spare node" in r.reason
+
+
+def crash_on(node: str) -> Finding:
+    return Finding(kind=FindingKind.JOB_FAILED, summary="rank killed", nodes=(node,))
+
+
+def test_plain_crash_restarts_and_excludes_only_when_it_recurs_on_the_same_node(
+    rc: RecoverySpec,
+) -> None:
+    """W1: a killed rank is a restart; its node is suspected only if it crashes there again."""
+    history = RunHistory(attempt_nodes=NODES)
+    assert decide(snap_at(10), [crash_on("n2")], history, rc).kind is RemedyKind.RESTART
+    before = past(
+        RemedyKind.RESTART, FindingKind.JOB_FAILED, finding_nodes=("n2",), attempt_nodes=NODES
+    )
+    history = RunHistory(remedies=(before,), attempt_nodes=NODES)
+    elsewhere = decide(snap_at(20), [crash_on("n1")], history, rc)
+    assert elsewhere.kind is RemedyKind.RESTART
+    again = decide(snap_at(20), [crash_on("n2")], history, rc)
+    assert again.kind is RemedyKind.EXCLUDE_NODE and again.exclude_nodes == ("n2",)
+
+
+def test_never_excludes_a_name_that_is_not_one_of_the_attempts_nodes(rc: RecoverySpec) -> None:
+    """W1: sbatch rejects `--exclude=127.0.0.1`, so every resubmission would fail."""
+    f = Finding(kind=FindingKind.JOB_FAILED, summary="gloo", cause=Cause.NODE, nodes=("127.0.0.1",))
+    r = decide(snap_at(10), [f], RunHistory(attempt_nodes=NODES), rc)
+    assert "127.0.0.1" not in r.exclude_nodes and r.kind is not RemedyKind.EXCLUDE_NODE
+
+
+def test_failed_submissions_back_off_count_against_the_budget_and_escalate(
+    rc: RecoverySpec,
+) -> None:
+    """W2: the attempt whose submission failed is resubmitted after a growing pause, and
+    failed resubmissions spend the restart budget until the run needs a person."""
+    lost = Finding(kind=FindingKind.JOB_LOST, summary="job None lost: submit failed")
+
+    def failed(n: int, ago: float) -> PastRemedy:
+        return PastRemedy(
+            RemedyKind.RESTART,
+            attempt=n,
+            at=NOW - ago,
+            finding_kind=FindingKind.JOB_LOST,
+            failed=True,
+        )
+
+    one = RunHistory(remedies=(failed(1, 5),), attempt_nodes=NODES)
+    assert decide(snap_at(10, attempt=2), [lost], one, rc).kind is RemedyKind.NONE
+    one = RunHistory(remedies=(failed(1, 15),), attempt_nodes=NODES)
+    assert decide(snap_at(10, attempt=2), [lost], one, rc).kind is RemedyKind.RESTART
+    two = RunHistory(remedies=(failed(1, 30), failed(2, 15)), attempt_nodes=NODES)
+    assert decide(snap_at(10, attempt=3), [lost], two, rc).kind is RemedyKind.NONE  # 20 s now
+    storm = RunHistory(
+        remedies=tuple(failed(n, 600 - 60 * n) for n in range(1, rc.max_restarts + 1)),
+        attempt_nodes=NODES,
+    )
+    r = decide(snap_at(10, attempt=rc.max_restarts + 1), [lost], storm, rc)
+    assert r.kind is RemedyKind.ESCALATE
+
+
+def test_nan_grads_recurring_right_after_their_skipped_window_suspect_a_node(
+    rc: RecoverySpec,
+) -> None:
+    """W4: a node's NaN grads (finite loss) first look like bad data: rollback + skip. When
+    they recur right after the skipped window, that is the node, not more bad data."""
+    first = past(
+        RemedyKind.ROLLBACK,
+        FindingKind.NONFINITE,
+        step=254,
+        skip_ranges=((2000, 2032),),
+        attempt_nodes=NODES,
+    )
+    hist = RunHistory(
+        remedies=(first,), checkpoints=CKPTS, attempt_nodes=NODES, node_strikes={"n2": 1}
+    )
+    recur = Finding(
+        kind=FindingKind.NONFINITE,
+        summary="nan",
+        last_healthy_step=250,
+        first_bad_step=251,
+        sample_window=(2032, 2040),
+        evidence={"grads_only": True},
+    )
+    r = decide(snap_at(251), [recur], hist, rc)
+    assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n2",)
+    assert r.suspect is Cause.NODE
+    bad_loss = dataclasses.replace(recur, evidence={"grads_only": False})
+    assert decide(snap_at(251), [bad_loss], hist, rc).kind is RemedyKind.ROLLBACK

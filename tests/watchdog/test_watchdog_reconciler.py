@@ -26,11 +26,12 @@ from supervisor.models import (
     Run,
     RunState,
 )
-from supervisor.slurm import JobState
+from supervisor.slurm import JobState, SourceUnavailable
 from supervisor.spec import RunSpec
+from supervisor.watchdog import accounting
 from supervisor.watchdog.actions import checkpoint_dir
-from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
-from supervisor.watchdog.snapshot import MetricSample, RemedyKind
+from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig, log_cause
+from supervisor.watchdog.snapshot import Cause, MetricSample, RemedyKind
 
 
 def make(
@@ -287,3 +288,66 @@ def test_checkpoint_saved_past_a_rollback_is_never_resumed(db: Database, tmp_pat
     cluster.set(job3, JobState.TIMEOUT)
     remedy = rec.tick().remedies[run_id]
     assert remedy.kind is RemedyKind.REQUEUE and remedy.to_step == 150
+
+
+CAPTURED = Path(__file__).parent / "captured"
+
+
+def test_peer_connection_closed_blames_the_killed_rank_never_an_address() -> None:
+    """W1, recorded in the chaos soak: rank 3 on n2 was killed, its peers logged gloo
+    `Connection closed by peer [127.0.0.1]:port`. Blame n2 (srun: task 3 Killed) as a plain
+    crash (restart first), never the address 127.0.0.1 that SLURM does not know."""
+    text = (CAPTURED / "gloo_peer_crash.txt").read_text()
+    cause, _line, nodes = log_cause(text, 1, True, ("n1", "n2"))
+    assert (cause, nodes) == (Cause.UNKNOWN, ("n2",))
+    assert log_cause(text, 1, True, ())[2] == ()  # nodes unknown: name none
+    nccl = "NCCL error: unhandled system error, remote process on gpu13.cluster exited"
+    assert log_cause(nccl, 1, True, ("gpu12", "gpu13")) == (Cause.NODE, nccl, ("gpu13",))
+    assert log_cause(nccl, 1, True, ("gpu12",))[2] == ()
+
+
+class FailingSubmitCluster(FakeCluster):
+    """sbatch rejects every submission once `failing` is set (as with an invalid node name)."""
+
+    failing: bool = False
+    tries: int = 0
+
+    def submit(self, request, fn):  # type: ignore[no-untyped-def]
+        if self.failing:
+            self.tries += 1
+            raise SourceUnavailable("sbatch: error: Invalid node name specified")
+        return super().submit(request, fn)
+
+
+def test_failed_resubmissions_back_off_and_escalate(db: Database, tmp_path: Path) -> None:
+    """W2: a resubmission that keeps failing was retried every tick (attempts 2 → 100 in
+    200 s); now it backs off, spends the restart budget and escalates."""
+    cluster, source = FailingSubmitCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    now = [time.time()]
+    rec.clock = lambda: now[0]
+    cluster.failing = True
+    cluster.set(job, JobState.FAILED, exit_code=76)
+    per_tick = []
+    for _ in range(100):  # 200 s of 2 s ticks
+        now[0] += 2.0
+        before = cluster.tries
+        rec.tick()
+        per_tick.append(cluster.tries - before)
+    spec = RunSpec.model_validate(TINY_SPEC)
+    assert get_run(db, run_id).state is RunState.NEEDS_ATTENTION
+    assert 1 <= cluster.tries <= spec.recovery.max_restarts
+    assert per_tick[1:4] == [0, 0, 0]  # backing off after the first failure
+    assert len(rows(db, Attempt, run_id)) <= 1 + spec.recovery.max_restarts
+
+
+def test_ettr_is_productive_steps_over_wall() -> None:
+    """R1: only steps beyond the previous maximum are productive: a replay after a rollback,
+    failed submissions and a stuck attempt do not raise it, so ETTR falls while stuck."""
+    steps = accounting.productive_steps(None, [43, None, 30, 60])
+    assert steps == 60
+    assert accounting.productive_steps(30, [30]) == 0
+    stuck = accounting.run_ettr(wall_s=260.0, productive_steps=30, mean_step_s=2.0)
+    assert stuck == pytest.approx(60 / 260)
+    assert accounting.run_ettr(wall_s=60.0, productive_steps=30, mean_step_s=2.0) == 1.0
+    assert accounting.run_ettr(wall_s=60.0, productive_steps=30, mean_step_s=None) is None
