@@ -74,14 +74,21 @@ class _Log:
 
 
 class _StopFlag:
-    """Set by USR2/TERM; acted on at the next step boundary."""
+    """Set by USR2/TERM; acted on at the next step boundary.
+
+    Installed first thing in `run`, so a preemption during setup or checkpoint loading (seconds)
+    still ends in a checkpoint and exit 75 instead of TERM's default kill. A handler installed
+    before it that remembered a signal (worker.task's `_EarlyStop`, which covers the import of
+    this module) hands that signal over instead of losing it.
+    """
 
     def __init__(self) -> None:
         self.signum = 0
 
     def install(self) -> None:
         for sig in (signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, self._handler)
+            previous = signal.signal(sig, self._handler)
+            self.signum = self.signum or getattr(previous, "signum", None) or 0
 
     def _handler(self, signum: int, _frame: object) -> None:
         self.signum = signum
@@ -219,6 +226,8 @@ def _set_lr(optimizer: object, lr: float) -> None:
 
 
 def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
+    stop = _StopFlag()
+    stop.install()
     rank, world, local_rank, device = _init_distributed()
     p = spec.parallelism
     if p.virtual_pipeline:
@@ -258,8 +267,6 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     if ctx.metrics_port is not None and local_rank == 0:
         metrics = _serve_metrics(ctx, rank, t.train_steps, step, cursor, log)
 
-    stop = _StopFlag()
-    stop.install()
     fwd_bwd = get_forward_backward_func()
     last_stage_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     num_micro = t.global_batch_size // (t.micro_batch_size * dp_size)

@@ -62,7 +62,8 @@ class RunState(enum.StrEnum):
            ▼            ▼            ▼          ▼
         cancelled    succeeded | failed | cancelled | needs_attention
 
-    - pending: stored by the API, not yet handed to SLURM. Cancel here is immediate.
+    - pending: stored by the API, not yet handed to SLURM. Cancel here is immediate. A
+      submission that keeps failing (restart budget spent) goes to needs_attention.
     - submitted: an attempt is queued in SLURM (or the local executor).
     - running: the attempt's job is running and training makes progress.
     - recovering: the watchdog is applying a remedy (rollback, exclude + resubmit, requeue);
@@ -95,7 +96,9 @@ TERMINAL_RUN_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.C
 ACTIVE_RUN_STATES = frozenset({RunState.SUBMITTED, RunState.RUNNING, RunState.RECOVERING})
 
 RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
-    RunState.PENDING: frozenset({RunState.SUBMITTED, RunState.CANCELLED, RunState.FAILED}),
+    RunState.PENDING: frozenset(
+        {RunState.SUBMITTED, RunState.CANCELLED, RunState.FAILED, RunState.NEEDS_ATTENTION}
+    ),
     RunState.SUBMITTED: frozenset(
         {RunState.RUNNING, RunState.RECOVERING, *TERMINAL_RUN_STATES, RunState.NEEDS_ATTENTION}
     ),

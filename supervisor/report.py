@@ -378,6 +378,11 @@ def build_report(data: ReportData) -> Report:
         Window("rollback", lo, hi, f"rolled back {hi} → {lo}, replayed") for lo, hi in replays
     ] + skip_windows(skips, data.global_batch_size)
 
+    # the watchdog records `last_step` when a run ends; until then, the newest point seen
+    last_step = _int(run.get("last_step"))
+    if last_step is None and loss:
+        last_step = loss[-1].step
+
     timeline = _attempt_entries(attempts) + _incident_entries(lines)
     timeline += _action_entries(data.actions)
     if ended_t is not None:
@@ -390,7 +395,7 @@ def build_report(data: ReportData) -> Report:
         name=str(run.get("name") or ""),
         state=state,
         state_reason=run.get("state_reason"),
-        last_step=_int(run.get("last_step")),
+        last_step=last_step,
         target_steps=_int(run.get("target_steps")),
         started_t=started_t,
         ended_t=ended_t,

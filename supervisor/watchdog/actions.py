@@ -251,7 +251,7 @@ class Actuator:
             except SourceUnavailable:
                 ids = []
             if ids:
-                return str(sorted(ids)[-1])
+                return max(ids, key=lambda j: int(str(j).split("_")[0]))  # "100" is newer than "99"
         if log_dir.is_dir():
             ids = [p.name for p in log_dir.iterdir() if p.is_dir() and re.fullmatch(r"\d+", p.name)]
             if ids:

@@ -115,6 +115,12 @@ def submit_backoff(history: RunHistory, attempt: int) -> float | None:
         if not r.failed:
             break
         failures += 1
+    return backoff_seconds(failures)
+
+
+def backoff_seconds(failures: int) -> float:
+    """Pause before resubmitting after `failures` failed submissions in a row: sbatch errors
+    (bad node name, partition down) rarely clear within one tick."""
     return min(SUBMIT_BACKOFF_MAX_S, SUBMIT_BACKOFF_S * 2 ** (failures - 1))
 
 

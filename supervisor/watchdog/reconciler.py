@@ -66,7 +66,12 @@ from supervisor.watchdog.detectors import (
     median_step_time,
 )
 from supervisor.watchdog.notify import Notifier
-from supervisor.watchdog.policy import decide, restarts_in_window, trusted_checkpoints
+from supervisor.watchdog.policy import (
+    backoff_seconds,
+    decide,
+    restarts_in_window,
+    trusted_checkpoints,
+)
 from supervisor.watchdog.snapshot import (
     Cause,
     CheckpointRef,
@@ -383,7 +388,7 @@ class Reconciler:
         for run in pending:
             if not run.cancel_requested:
                 try:
-                    self._submit_first(run, attempts.pop(run.id, None), result)
+                    self._submit_first(run, attempts.pop(run.id, None), result, now)
                 except Exception as exc:
                     log.exception("submit failed", extra={"run_id": run.id})
                     result.errors[run.id] = f"{type(exc).__name__}: {exc}"
@@ -514,13 +519,17 @@ class Reconciler:
 
     # ------------------------------------------------------------------ per run
 
-    def _submit_first(self, run: Run, attempt: Attempt | None, result: TickResult) -> None:
+    def _submit_first(
+        self, run: Run, attempt: Attempt | None, result: TickResult, now: float
+    ) -> None:
         """Submit a pending run; an attempt recorded before a crash is finished, not doubled."""
         if attempt is not None and attempt.job_id:
             job_id: str | None = attempt.job_id
             number = attempt.number
         else:
             failed = attempt is not None and attempt.state is AttemptState.FAILED
+            if attempt is not None and failed and not self._retry_first_submit(run, attempt, now):
+                return
             number = run.current_attempt + 1 if attempt is None or failed else attempt.number
             job_id = self.actuator.submit_attempt(
                 run.id, number, resume_step=run.resume_step, reason="submit"
@@ -537,6 +546,21 @@ class Reconciler:
                 attempt=number,
             )
         result.submitted.append(run.id)
+
+    def _retry_first_submit(self, run: Run, attempt: Attempt, now: float) -> bool:
+        """A failed first submission is retried after a backoff while the restart budget
+        lasts, then the run needs a person: a submission that always fails must not loop.
+        Every attempt of a pending run is a failed submission, so its number counts them."""
+        rc = self._spec(run).recovery
+        if attempt.number >= rc.max_restarts:
+            remedy = Remedy(
+                RemedyKind.ESCALATE,
+                f"submission failed {attempt.number} times: {attempt.end_reason}",
+            )
+            self.actuator.apply(ActContext(run.id, attempt.number, None, False), remedy)
+            return False
+        failed_at = _ts(attempt.ended_at) or now
+        return now >= failed_at + backoff_seconds(attempt.number)
 
     def _checkpoints(self, run: Run, spec: RunSpec) -> list[CheckpointRef]:
         """Complete checkpoints on disk (oldest first); new ones are recorded in the DB."""

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -99,10 +100,18 @@ class Stack:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack() -> Iterator[Stack]:
     if shutil.which("slurmctld") is None or shutil.which("prometheus") is None:
         pytest.skip("slurm-wlm / prometheus are not installed (make system-packages)")
-    home = tmp_path_factory.mktemp("nightwatch-home")
+    # Not under pytest's basetemp: other pytest sessions on this host rotate those away.
+    home = Path(tempfile.mkdtemp(prefix="nightwatch-it-"))
+    try:
+        yield from _stack(home)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _stack(home: Path) -> Iterator[Stack]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "NIGHTWATCH_HOME": str(home), "PYTHONPATH": str(REPO)}
@@ -111,12 +120,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         env, "token", "create", "--name", "it", "--scope", "admin", "--scope", "submit",
         "--scope", "read",
     ).strip()  # fmt: skip
-    prepared = _nightwatch(env, "data", "prepare", "--out", str(home / "data"))
-    data = dict(line.split(": ", 1) for line in prepared.strip().splitlines())
+    # The corpus is built while the cluster starts (both take a while).
+    prepare = subprocess.Popen(
+        [*NIGHTWATCH, "data", "prepare", "--out", str(home / "data")],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     already = _devcluster("status").returncode == 0
     started = _devcluster(
         "start", "--nodes", "3", "--sd-url", f"{url}/v1/prometheus/targets", "--sd-token", token
     )
+    prepared, errors = prepare.communicate(timeout=300)
+    assert prepare.returncode == 0, errors[-3000:]
+    data = dict(line.split(": ", 1) for line in prepared.strip().splitlines())
     assert started.returncode == 0, started.stderr[-3000:]
     exports = dict(
         line.removeprefix("export ").split("=", 1)

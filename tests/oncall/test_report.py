@@ -111,6 +111,14 @@ def test_an_empty_run_renders() -> None:
     assert "never started" in render_text(r)
 
 
+def test_an_active_run_reports_its_newest_step() -> None:
+    data = scenario(finished=False)
+    run = {**data.run, "last_step": None}  # recorded only when the run ends
+    r = build_report(dataclasses.replace(data, run=run))
+    assert r.last_step == 60  # attempt 2's newest point, not attempt 1's higher pre-rollback one
+    assert "step 60/60" in render_text(r)
+
+
 def test_loss_from_prometheus_matrices_pairs_by_attempt_and_time() -> None:
     steps = [
         {"metric": {"attempt": "1"}, "values": [[100, "5"], [101, "5"], [102, "6"], [103, "7"]]},

@@ -351,3 +351,47 @@ def test_ettr_is_productive_steps_over_wall() -> None:
     assert stuck == pytest.approx(60 / 260)
     assert accounting.run_ettr(wall_s=60.0, productive_steps=30, mean_step_s=2.0) == 1.0
     assert accounting.run_ettr(wall_s=60.0, productive_steps=30, mean_step_s=None) is None
+
+
+class LoggedCluster(FakeCluster):
+    """Serves the soak's recorded job log as every job's log."""
+
+    def log_files(self, job_id: str, log_dir: Path | None = None) -> list[Path]:
+        return [CAPTURED / "gloo_peer_crash.txt"]
+
+
+def test_peer_crash_in_the_log_restarts_and_never_excludes_an_address(
+    db: Database, tmp_path: Path
+) -> None:
+    """W1 end to end: the soak's job (rank 3 on n2 killed, peers' gloo errors naming
+    127.0.0.1) is restarted; nothing is excluded, so the resubmission is valid."""
+    cluster, source = LoggedCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    cluster.set(job, JobState.FAILED, exit_code=1)
+    result = rec.tick()
+    remedy = result.remedies[run_id]
+    assert remedy.kind is RemedyKind.RESTART, remedy
+    assert result.findings[run_id][0].nodes == ("n2",)
+    _, request = cluster.submitted[-1]
+    assert request.exclude == () and get_run(db, run_id).excluded_nodes_json == []
+
+
+def test_failing_first_submission_backs_off_and_escalates(db: Database, tmp_path: Path) -> None:
+    """W2 for a pending run: sbatch rejecting the first submission was retried every tick
+    with a new attempt; now it backs off and escalates when the restart budget is spent."""
+    cluster, source = FailingSubmitCluster(), FakeSource()
+    cluster.failing = True
+    rec = make(db, tmp_path, cluster, source)
+    run_id = new_run(db)
+    now = [time.time()]
+    rec.clock = lambda: now[0]
+    per_tick = []
+    for _ in range(100):  # 200 s of 2 s ticks
+        now[0] += 2.0
+        before = cluster.tries
+        rec.tick()
+        per_tick.append(cluster.tries - before)
+    spec = RunSpec.model_validate(TINY_SPEC)
+    assert get_run(db, run_id).state is RunState.NEEDS_ATTENTION
+    assert cluster.tries == spec.recovery.max_restarts
+    assert per_tick[:4] == [1, 0, 0, 0]
