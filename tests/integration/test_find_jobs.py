@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 def _sbatch(slurm: SlurmCluster, name: str) -> str:
     out = subprocess.run(
-        ["sbatch", "--parsable", "-J", name, "-N", "1", "--wrap", "sleep 1"],
+        ["sbatch", "--parsable", "-J", name, "-N", "1", "-o", "/dev/null", "--wrap", "sleep 1"],
         env=slurm.env, capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     return out.stdout.strip().split(";")[0]

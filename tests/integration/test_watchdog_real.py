@@ -139,7 +139,8 @@ def test_nan_on_a_bad_node_excludes_it_and_finishes_on_a_spare(stack: Stack) -> 
 
 def _sbatch_blocker(stack: Stack, nodes: str) -> str:
     out = subprocess.run(
-        ["sbatch", "--parsable", "-J", "it-blocker", "-w", nodes, "-N", "2", "--wrap", "sleep 600"],
+        ["sbatch", "--parsable", "-J", "it-blocker", "-w", nodes, "-N", "2", "-o", "/dev/null",
+         "--wrap", "sleep 600"],
         env=stack.slurm.env, capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     job_id = out.stdout.strip().split(";")[0]

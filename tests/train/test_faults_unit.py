@@ -64,11 +64,13 @@ def test_one_shot_faults_fire_once_on_their_rank(tmp_path: Path) -> None:
 
 
 def test_corrupt_truncates_the_largest_file_of_that_step(tmp_path: Path) -> None:
-    (tmp_path / "big.distcp").write_bytes(b"a" * 1000)
-    (tmp_path / "small.pt").write_bytes(b"b" * 10)
-    (tmp_path / "nightwatch.json").write_text("{}")
-    f = _faults("n1")
-    assert f.corrupt_after_publish(4, tmp_path) is None
-    assert f.corrupt_after_publish(6, tmp_path) == tmp_path / "big.distcp"
-    assert (tmp_path / "big.distcp").stat().st_size == 500
-    assert (tmp_path / "small.pt").stat().st_size == 10
+    ckpt = tmp_path / "iter_6"  # the fired-marker goes to tmp_path/.faults, not a shared path
+    ckpt.mkdir()
+    (ckpt / "big.distcp").write_bytes(b"a" * 1000)
+    (ckpt / "small.pt").write_bytes(b"b" * 10)
+    (ckpt / "nightwatch.json").write_text("{}")
+    f = _faults("n1", ckpt=tmp_path)
+    assert f.corrupt_after_publish(4, ckpt) is None
+    assert f.corrupt_after_publish(6, ckpt) == ckpt / "big.distcp"
+    assert (ckpt / "big.distcp").stat().st_size == 500
+    assert (ckpt / "small.pt").stat().st_size == 10
