@@ -20,18 +20,18 @@ FAULTS = [
 ]
 
 
-def _faults(node: str, rank: int = 0, ckpt: Path = Path("/nonexistent-ckpt")) -> Faults:
+def _faults(node: str, ckpt: Path, rank: int = 0) -> Faults:
     spec = RunSpec.model_validate(spec_dict("f", faults=FAULTS))
     return Faults.for_process(spec, node, rank, ckpt)
 
 
-def test_no_faults_section_means_no_effects() -> None:
-    f = Faults.for_process(RunSpec.model_validate(spec_dict("f")), "n2", 1, Path("/nonexistent"))
+def test_no_faults_section_means_no_effects(tmp_path: Path) -> None:
+    f = Faults.for_process(RunSpec.model_validate(spec_dict("f")), "n2", 1, tmp_path)
     assert f.poison_effect(42) is None and not f.nan_grads(10) and f.slow_delay(10, 1.0) == 0
 
 
-def test_poison_is_tied_to_sample_indices() -> None:
-    f = _faults("n1")
+def test_poison_is_tied_to_sample_indices(tmp_path: Path) -> None:
+    f = _faults("n1", tmp_path)
     assert [f.poison_effect(g) for g in (39, 40, 47, 48, 100)] == [
         None,
         "nan",
@@ -41,26 +41,26 @@ def test_poison_is_tied_to_sample_indices() -> None:
     ]
 
 
-def test_node_faults_follow_the_node_name_and_after_step() -> None:
-    sick, healthy = _faults("n2"), _faults("n1")
+def test_node_faults_follow_the_node_name_and_after_step(tmp_path: Path) -> None:
+    sick, healthy = _faults("n2", tmp_path), _faults("n1", tmp_path)
     assert not sick.nan_grads(4) and sick.nan_grads(5) and sick.nan_grads(500)
     assert not healthy.nan_grads(5)
     assert sick.slow_delay(1, 0.5) == 1.5  # a step of 0.5 s takes 4 × 0.5 s
     assert healthy.slow_delay(1, 0.5) == 0.0
-    assert _faults("n3").node_effects(0) == {"crash"}
+    assert _faults("n3", tmp_path).node_effects(0) == {"crash"}
 
 
 def test_one_shot_faults_fire_once_on_their_rank(tmp_path: Path) -> None:
-    first = _faults("n1", rank=1, ckpt=tmp_path)
-    assert first.crash and not _faults("n1", rank=0, ckpt=tmp_path).crash
+    first = _faults("n1", tmp_path, rank=1)
+    assert first.crash and not _faults("n1", tmp_path, rank=0).crash
     first._mark_fired("crash-step7-rank1.fired")  # what before_step(7) does before exiting
-    assert not _faults("n1", rank=1, ckpt=tmp_path).crash  # the restart does not meet it again
+    assert not _faults("n1", tmp_path, rank=1).crash  # the restart does not meet it again
     ckpt = tmp_path / "iter_6"
     ckpt.mkdir()
     (ckpt / "a.distcp").write_bytes(b"a" * 10)
-    assert _faults("n1", ckpt=tmp_path).corrupt_after_publish(6, ckpt) is not None
-    assert not _faults("n1", ckpt=tmp_path).corrupt  # fired once, gone
-    assert _faults("n3", ckpt=tmp_path).node  # node faults recur on every attempt
+    assert _faults("n1", tmp_path).corrupt_after_publish(6, ckpt) is not None
+    assert not _faults("n1", tmp_path).corrupt  # fired once, gone
+    assert _faults("n3", tmp_path).node  # node faults recur on every attempt
 
 
 def test_corrupt_truncates_the_largest_file_of_that_step(tmp_path: Path) -> None:
@@ -69,7 +69,7 @@ def test_corrupt_truncates_the_largest_file_of_that_step(tmp_path: Path) -> None
     (ckpt / "big.distcp").write_bytes(b"a" * 1000)
     (ckpt / "small.pt").write_bytes(b"b" * 10)
     (ckpt / "nightwatch.json").write_text("{}")
-    f = _faults("n1", ckpt=tmp_path)
+    f = _faults("n1", tmp_path)
     assert f.corrupt_after_publish(4, ckpt) is None
     assert f.corrupt_after_publish(6, ckpt) == ckpt / "big.distcp"
     assert (ckpt / "big.distcp").stat().st_size == 500
