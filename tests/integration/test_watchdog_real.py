@@ -71,14 +71,16 @@ def _run(stack: Stack, spec: dict[str, Any], timeout_s: float = 240) -> dict[str
 
 @pytest.mark.timeout(300)
 def test_poisoned_window_is_rolled_back_and_skipped(stack: Stack) -> None:
-    poison = (40 * BATCH, 60 * BATCH)  # steps 41-60
+    """The poison lasts to the end of the run, so it cannot pass unseen between scrapes on a
+    fast machine: only a rollback with a skip past it lets the run finish on the clean trend."""
+    poison = (60 * BATCH, 120 * BATCH)  # steps 61-120
     spec = tiny_spec(
         "it-poison",
         stack.data,
-        model={"hidden_size": 64, "seq_length": 64},
-        training={"train_steps": 100, "global_batch_size": BATCH},
+        model={"hidden_size": 128, "seq_length": 128, "num_attention_heads": 4},
+        training={"train_steps": 120, "global_batch_size": BATCH},
         checkpoint={"interval_steps": 10},
-        recovery={"loss_spike_sustain_steps": 2, "rollback_skip_steps": 20},
+        recovery={"loss_spike_sustain_steps": 2, "rollback_skip_steps": 60},
         faults=[{"kind": "poison_data", "start_sample": poison[0], "end_sample": poison[1]}],
     )
     out = _run(stack, spec)
@@ -90,7 +92,7 @@ def test_poisoned_window_is_rolled_back_and_skipped(stack: Stack) -> None:
     # Rolled back to a checkpoint before the onset, and the skip covers the poisoned window.
     assert run.resume_step is not None and run.resume_step * BATCH <= poison[0]
     assert any(lo <= poison[0] and hi >= poison[1] for lo, hi in run.skip_ranges_json)
-    before, final = losses[run.resume_step], losses[100]
+    before, final = losses[run.resume_step], losses[120]
     assert before is not None and final is not None and math.isfinite(final)
     assert final < before, losses  # the curve continues the pre-fault trend
     _report_timing("poisoned data window", incident)

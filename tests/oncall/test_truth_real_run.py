@@ -199,7 +199,7 @@ def test_report_cli_tells_the_story(scenario: Scenario) -> None:
     # the curve is Prometheus's (per attempt, every scrape), not only the checkpoints' losses
     scraped = [p for p in body["loss"] if p.get("source") != "checkpoint"]
     assert {p["attempt"] for p in scraped} >= {1, 2}
-    assert len(scraped) > 20
+    assert len(scraped) >= 8  # one per scrape (1 s) that saw a new step
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     px = imread(png)[..., :3]
