@@ -43,6 +43,12 @@ test: venv services
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
+# The overnight proof (docs/benchmarks.md, "Chaos soak"): real SLURM + Prometheus + PostgreSQL.
+SEED ?= 7
+MINUTES ?= 20
+soak: venv services
+	$(BIN)/python benchmarks/chaos_soak.py --seed $(SEED) --minutes $(MINUTES)
+
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 

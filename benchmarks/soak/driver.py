@@ -3,9 +3,8 @@
 A fault fires the first time training reaches its step (after a rollback the same steps come
 again; the fault does not fire twice). Spec-side faults need nothing from the driver: they are
 recorded as armed, and their time is read from the training log when scored. An external fault
-also waits `min_gap_s` after the previous fault: some take effect late (a cut walltime is
-enforced by slurmctld's periodic check) or last a while (a service restart), and two faults in
-one window could not be told apart.
+also waits until the previous fault has settled (`min_gap_s`, longer after a walltime cut, a
+preemption or a service outage): two faults in one window could not be told apart.
 """
 
 from __future__ import annotations
@@ -17,11 +16,21 @@ from typing import Any
 
 from benchmarks.soak.faults import Injector, JobView
 from benchmarks.soak.progress import LogFollower, Progress
-from benchmarks.soak.schedule import ScheduledFault
+from benchmarks.soak.schedule import FaultKind, ScheduledFault
 from benchmarks.soak.score import Injection, Remedy
 
 POLL_S = 0.5
 MIN_GAP_S = 30.0
+#: How long some external faults take to show or to end (measured on the devcluster): a cut
+#: walltime is enforced by slurmctld's periodic limit check, then USR2, a checkpoint and exit
+#: (63 s seen); a preemption has its 30 s grace.
+SETTLE_S = {FaultKind.WALLTIME: 120.0, FaultKind.PREEMPTION: 45.0}
+
+
+def settle_s(fault: ScheduledFault, min_gap_s: float) -> float:
+    """Seconds the next external fault waits after this one."""
+    outage = float(fault.params.get("down_s", 0.0))
+    return max(min_gap_s + outage, SETTLE_S.get(fault.kind, 0.0))
 
 
 @dataclass
@@ -62,7 +71,7 @@ def drive(
     done: list[Injection] = []
     state: str | None = None
     last_step = -1
-    last_fault_t = 0.0
+    next_allowed = 0.0
     while True:
         now = time.time()
         progress = follower.poll()
@@ -74,19 +83,20 @@ def drive(
             fault = pending[0]
             if fault.spec_side:
                 pending.pop(0)
-                last_fault_t = now
+                next_allowed = max(next_allowed, now + min_gap_s)
                 done.append(Injection(fault, None, "armed in spec"))
                 say(f"{fault.kind.value} at step {fault.at_step} (in spec)")
                 continue
-            if now - last_fault_t < min_gap_s:
+            if now < next_allowed:
                 break
             pending.pop(0)
             try:
                 note = injector.inject(fault, current_job())
             except Exception as exc:  # a failed injection is a finding about the soak: record
                 note = f"injection failed: {exc}"
-            last_fault_t = time.time()
-            done.append(Injection(fault, last_fault_t, note))
+            fired = time.time()
+            next_allowed = fired + settle_s(fault, min_gap_s)
+            done.append(Injection(fault, fired, note))
             say(f"{fault.kind.value} at step {step}: {note}")
         for label in injector.tick(now):
             say(label)

@@ -298,6 +298,8 @@ def fault_table(scores: Sequence[SystemScore]) -> str:
             f = s.faults[i]
             count = f" ×{len(f.remedies)}" if len(f.remedies) > 1 else ""
             remedy = ("✓ " if f.right_action else "✗ ") + (f.cured_by or "none") + count
+            if not f.triggered:
+                remedy = "not reached"
             cells.append(
                 f" {_fmt(f.detected):>3} {remedy:<18} {_fmt(f.detection_latency_s):>6} "
                 f"{_fmt(f.mttr_s):>6} {f.steps_lost:>5} "

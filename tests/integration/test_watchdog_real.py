@@ -92,9 +92,11 @@ def test_poisoned_window_is_rolled_back_and_skipped(stack: Stack) -> None:
     # Rolled back to a checkpoint before the onset, and the skip covers the poisoned window.
     assert run.resume_step is not None and run.resume_step * BATCH <= poison[0]
     assert any(lo <= poison[0] and hi >= poison[1] for lo, hi in run.skip_ranges_json)
-    before, final = losses[run.resume_step], losses[120]
-    assert before is not None and final is not None and math.isfinite(final)
-    assert final < before, losses  # the curve continues the pre-fault trend
+    first, before, final = losses[10], losses[run.resume_step], losses[120]
+    assert first is not None and before is not None and final is not None
+    # The curve continues the pre-fault trend: below where training started, and within the
+    # batch-to-batch noise of the loss at the rollback point (the poison put it at ~20×).
+    assert math.isfinite(final) and final < first and abs(final - before) < 0.15 * before, losses
     _report_timing("poisoned data window", incident)
 
 

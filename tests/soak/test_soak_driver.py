@@ -67,3 +67,10 @@ def test_spec_faults_are_armed_and_external_faults_wait_their_gap(
     kinds = [(i.fault.kind, i.note) for i in injections]
     assert kinds[0] == (FaultKind.POISON_DATA, "armed in spec")
     assert kinds[-1] == (FaultKind.PREEMPTION, "not reached")
+
+
+def test_slow_faults_settle_longer_before_the_next_one() -> None:
+    assert driver.settle_s(ScheduledFault(FaultKind.RANK_CRASH, 5, {}), 30) == 30
+    assert driver.settle_s(ScheduledFault(FaultKind.WALLTIME, 5, {}), 30) == 120
+    prom = ScheduledFault(FaultKind.PROMETHEUS_RESTART, 5, {"down_s": 20})
+    assert driver.settle_s(prom, 30) == 50
