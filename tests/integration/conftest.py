@@ -69,7 +69,6 @@ class Stack:
     home: Path
     data: dict[str, str]
     slurm: SlurmCluster
-    prometheus_url: str
 
     def api(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -152,7 +151,7 @@ def _stack(home: Path) -> Iterator[Stack]:
         start_new_session=True,
     )  # fmt: skip
     slurm = SlurmCluster(exports["SLURM_CONF"])
-    stack = Stack(url, token, home, data, slurm, exports["NIGHTWATCH_PROMETHEUS_URL"])
+    stack = Stack(url, token, home, data, slurm)
     try:
         deadline = time.monotonic() + 60
         while True:

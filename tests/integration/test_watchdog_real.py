@@ -52,7 +52,7 @@ def _records(stack: Stack, run_id: str) -> tuple[Run, list[Incident], dict[int, 
     return run, list(incidents), {c.step: c.loss for c in ckpts}
 
 
-def _report_timing(what: str, incident: Incident) -> tuple[float, float]:
+def _report_timing(what: str, incident: Incident) -> None:
     assert incident.fault_ts and incident.recovered_ts, incident.__dict__
     detection = (incident.detected_ts - incident.fault_ts).total_seconds()
     mttr = (incident.recovered_ts - incident.fault_ts).total_seconds()
@@ -60,7 +60,6 @@ def _report_timing(what: str, incident: Incident) -> tuple[float, float]:
         f"\n[watchdog real] {what}: {incident.kind} → {incident.remedy}; "
         f"detection {detection:.1f} s, MTTR {mttr:.1f} s, steps lost {incident.steps_lost}"
     )
-    return detection, mttr
 
 
 def _run(stack: Stack, spec: dict[str, Any], timeout_s: float = 240) -> dict[str, Any]:
