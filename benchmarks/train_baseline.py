@@ -6,11 +6,12 @@ pipeline. One rank of a job (RANK / WORLD_SIZE / LOCAL_RANK from the environment
 prints one JSON line per step: {"event": "step", "step", "step_time"}.
 
     python benchmarks/train_baseline.py --spec SPEC --steps 30 [--no-fused]
-        [--no-overlap-param-gather]
+        [--no-overlap-param-gather] [--no-fused-adam]
 
 `--no-fused` / `--no-overlap-param-gather` turn off the GPU defaults of `loop._build_model`
 (fused bias-dropout-add and cross-entropy; param all-gather overlapped with the forward pass),
-which gives the loop as it was measured before them.
+`--no-fused-adam` that of `loop._build_optimizer` (torch's fused AdamW kernel), which gives the
+loop as it was measured before them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-fused", action="store_true")
     ap.add_argument("--no-overlap-param-gather", action="store_true")
+    ap.add_argument("--no-fused-adam", action="store_true")
     args = ap.parse_args()
     spec = RunSpec.from_file(args.spec)
     rank, _world, _local, device = loop._init_distributed()
@@ -54,7 +56,7 @@ def main() -> int:
     model, config = loop._build_model(
         spec, bf16, fused=not args.no_fused, overlap_param_gather=not args.no_overlap_param_gather
     )
-    optimizer = loop._build_optimizer(spec, model, bf16)
+    optimizer = loop._build_optimizer(spec, model, bf16, fused_adam=not args.no_fused_adam)
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
     config.finalize_model_grads_func = loop.finalize_model_grads

@@ -10,7 +10,10 @@ Phases (each starts its own ranks through megatron_runs.launch_local):
   checksum every 10 steps). Step time is the median of steps after the warm-up. Two more
   bare-loop variants switch off the GPU defaults of `loop._build_model` for an A/B in the
   same call: `baseline-ag` without the fused kernels (param all-gather overlap only),
-  `baseline-before` without either (the loop as first measured).
+  `baseline-before` without either (the loop as first measured), `baseline-adam` with torch's
+  foreach AdamW instead of the fused kernel. `--skip-final-checkpoint` kills the train() ranks
+  once they have logged the last step (and its replica check, when one is due) instead of
+  waiting for the final checkpoint, to save device time.
 
     python benchmarks/train_gpu.py --phase tpcheck dp4 --out OUT_DIR
 """
@@ -94,6 +97,8 @@ def run(
     env: dict,
     baseline_steps: int | None = None,
     timeout: float = 400,
+    skip_final_checkpoint: bool = False,
+    check_every: int = 0,
 ) -> dict:
     shutil.rmtree(work, ignore_errors=True)  # never resume an earlier run's checkpoint
     work.mkdir(parents=True)
@@ -108,8 +113,16 @@ def run(
         args = ["--spec", str(spec_path), "--checkpoint-dir", str(work / "ckpt"), *extra]
     t0 = time.time()
     lr = launch(args, nproc, work / "logs", env=env, entry=entry)
+    last = spec["training"]["train_steps"]
+
+    def stop_after_last_step(r: object) -> None:
+        seen = {e["event"] for e in r.events() if e.get("step") == last}
+        checked = seen & {"replica_check", "replica_mismatch"}
+        if "step" in seen and (checked or not check_every or last % check_every):
+            r.kill()
+
     try:
-        codes = lr.wait(timeout)
+        codes = lr.wait(timeout, stop_after_last_step if skip_final_checkpoint else None)
     except TimeoutError:
         codes = ["timeout"]
     events = _events(work / "logs" / "rank0.log")
@@ -133,7 +146,7 @@ def run(
         "replica_mismatch_events": sum(e["event"] == "replica_mismatch" for e in events),
         "checkpoint_s": [e.get("seconds") for e in events if e["event"] == "checkpoint_saved"],
     }
-    if codes != [0] * nproc:
+    if codes != [0] * nproc and not skip_final_checkpoint:
         result["log_tail"] = (work / "logs" / "rank0.log").read_text(errors="replace")[-3000:]
     brief = ("name", "codes", "wall_s", "steps", "step_time_median_s", "mfu")
     print(json.dumps({"work": work.name, **{k: result[k] for k in brief}}), flush=True)
@@ -158,7 +171,15 @@ def tpcheck(out: Path, env: dict) -> dict:
 
 
 def big(
-    out: Path, env: dict, name: str, tp: int, dp: int, mbs: int, steps: int, variants: list[str]
+    out: Path,
+    env: dict,
+    name: str,
+    tp: int,
+    dp: int,
+    mbs: int,
+    steps: int,
+    variants: list[str],
+    skip_ckpt: bool = False,
 ) -> dict:
     spec = gpt(
         name,
@@ -189,10 +210,25 @@ def big(
     if "baseline" in variants:
         res["baseline"] = run(out / f"{name}-base", spec, [], env, baseline_steps=steps)
     if "hooks" in variants:
-        res["train_hooks"] = run(out / f"{name}-hooks", spec, ["--metrics-port", "0"], env)
+        res["train_hooks"] = run(
+            out / f"{name}-hooks",
+            spec,
+            ["--metrics-port", "0"],
+            env,
+            skip_final_checkpoint=skip_ckpt,
+            check_every=10,
+        )
     if "nohooks" in variants:
         res["train_no_hooks"] = run(
-            out / f"{name}-nohooks", spec, [], {**env, "NIGHTWATCH_REPLICA_CHECK_EVERY": "0"}
+            out / f"{name}-nohooks",
+            spec,
+            [],
+            {**env, "NIGHTWATCH_REPLICA_CHECK_EVERY": "0"},
+            skip_final_checkpoint=skip_ckpt,
+        )
+    if "baseline-adam" in variants:
+        res["baseline_adam"] = run(
+            out / f"{name}-base-adam", spec, ["--no-fused-adam"], env, baseline_steps=steps
         )
     if "train_no_hooks" in res and "train_hooks" in res:
         base = res["train_no_hooks"]["step_time_median_s"]
@@ -211,8 +247,9 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["baseline", "nohooks", "hooks"],
-        choices=["baseline-before", "baseline-ag", "baseline", "nohooks", "hooks"],
+        choices=["baseline-before", "baseline-ag", "baseline", "nohooks", "hooks", "baseline-adam"],
     )
+    ap.add_argument("--skip-final-checkpoint", action="store_true")
     args = ap.parse_args()
     import torch
 
@@ -230,7 +267,15 @@ def main() -> None:
             tp, dp = (1, 4) if phase == "dp4" else (2, 2)
             key = f"{phase}_mbs{args.mbs}"
             results[key] = big(
-                args.out / key, env, phase, tp, dp, args.mbs, args.steps, args.variants
+                args.out / key,
+                env,
+                phase,
+                tp,
+                dp,
+                args.mbs,
+                args.steps,
+                args.variants,
+                args.skip_final_checkpoint,
             )
         results[f"{phase}_wall_s"] = round(time.time() - t0, 1)
         (args.results or args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -167,7 +167,9 @@ def _finish_param_gather(model: list) -> None:
                 chunk.start_param_sync(force_sync=True)
 
 
-def _build_optimizer(spec: RunSpec, model: list, bf16: bool) -> object:
+def _build_optimizer(spec: RunSpec, model: list, bf16: bool, fused_adam: bool = True) -> object:
+    """Megatron's optimizer; on GPU with torch's fused AdamW kernel unless `fused_adam` is off
+    (for benchmarks/train_baseline.py's A/B runs)."""
     t = spec.training
     cfg = OptimizerConfig(
         optimizer="adam",
@@ -186,7 +188,29 @@ def _build_optimizer(spec: RunSpec, model: list, bf16: bool) -> object:
         # distributed optimizer gets `_check_found_inf`.
         loss_scale=1.0,
     )
-    return _check_found_inf(get_megatron_optimizer(cfg, model))
+    optimizer = _check_found_inf(get_megatron_optimizer(cfg, model))
+    if fused_adam:
+        _fuse_adam(optimizer)
+    return optimizer
+
+
+def _fuse_adam(optimizer: object) -> None:
+    """GPU: switch Megatron's torch AdamW (its fallback without apex/TransformerEngine, built with
+    the foreach default) to torch's fused kernel: one pass over param, grad and both moments
+    instead of a chain of foreach ops. Same update rule. Again after a checkpoint load, which
+    restores the saved param-group flags and puts the `step` counters on the CPU. No-op on CPU."""
+    if CPU:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            group["foreach"], group["fused"] = False, True
+            for p in group["params"]:
+                state = inner.state.get(p, {})
+                if "step" in state:
+                    state["step"] = state["step"].to(p.device, torch.float32)
 
 
 def _check_found_inf(optimizer: object) -> object:
@@ -260,6 +284,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     if info is not None:
         t0 = time.perf_counter()
         loaded = dist_ckpt.load(model, optimizer, info)
+        _fuse_adam(optimizer)
         step, cursor = loaded.step, loaded.consumed_samples
         log("checkpoint_loaded", step=step, path=str(info.path), seconds=time.perf_counter() - t0)
 
@@ -284,6 +309,10 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         step_start = time.perf_counter()
         next_step = step + 1
         faults.before_step(next_step)
+        # First, so that the GPU clears the grad buffers while the host assembles the batch.
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
         lr = lr_at(next_step, t)
         _set_lr(optimizer, lr)
         taken = take_step(cursor, t.global_batch_size, ctx.skip_ranges)
@@ -291,9 +320,6 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         batches = build_microbatches(
             stream, mine, t.micro_batch_size, t.seed, spec.model.vocab_size, faults.poison_effect
         )
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
         current[0] = next_step
         out = fwd_bwd(
             forward_step_func=_forward_step,
@@ -311,15 +337,18 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         if delay:
             time.sleep(delay)
             busy += delay
-        loss_sum = sum(float(d["lm loss"]) for d in out) if last_stage_reporter else 0.0
+        # Loss sum, microbatch count, stop signal: one all-reduce and one host sync per step.
         stats = torch.tensor(
-            [loss_sum, float(len(out)) if last_stage_reporter else 0.0, float(stop.signum)],
+            [0.0, float(len(out)) if last_stage_reporter else 0.0, float(stop.signum)],
             dtype=torch.float64,
             device=device,
         )
+        if last_stage_reporter and out:
+            stats[0] = torch.stack([d["lm loss"] for d in out]).double().sum()
         torch.distributed.all_reduce(stats)
-        loss = float(stats[0] / stats[1]) if stats[1] > 0 else math.nan
-        stop_requested = stats[2] > 0
+        loss_sum, count, signum = stats.tolist()
+        loss = loss_sum / count if count > 0 else math.nan
+        stop_requested = signum > 0
         norm = float(grad_norm) if ok and grad_norm is not None else math.nan
         step, cursor = next_step, taken.next_cursor
         last_loss = loss
@@ -364,7 +393,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
                 spec, model, optimizer, root, step, cursor, loss, layout, metrics, faults, log
             )
         if stop_requested:
-            log("stopping_on_signal", step=step, signal=int(stats[2]))
+            log("stopping_on_signal", step=step, signal=int(signum))
             exit_code = exitcodes.REQUEUE
             break
 

@@ -247,13 +247,15 @@ def _sustained_spike(points: Sequence[MetricSample], rc: RecoverySpec) -> Findin
 def _hard_spike(points: Sequence[MetricSample], rc: RecoverySpec) -> Finding | None:
     """Megatron's rule: a loss above `loss_spike_hard_factor` × the max of the trailing window
     is a spike at once. A 1-2 step spike is over before any sustain window fills, yet it is
-    what a poisoned batch looks like; the window max keeps it visible at the last sample."""
+    what a poisoned batch looks like. Unlike a sustained spike it is reported even once it has
+    passed: with fast steps it may be visible in one scrape only, and the bad batch it marks is
+    still worth skipping (Megatron acts on it too)."""
     latest = points[-1]
     for i in range(MIN_BASELINE_SAMPLES, len(points)):
         baseline = _baseline(points, i, rc)
         ref = max(p.loss for p in baseline)  # type: ignore[type-var]
         thr = rc.loss_spike_hard_factor * ref  # type: ignore[operator]
-        if ref <= 0 or _window_max(points[i]) <= thr or _window_max(latest) <= thr:
+        if ref <= 0 or _window_max(points[i]) <= thr:
             continue
         healthy = points[i - 1]
         return Finding(

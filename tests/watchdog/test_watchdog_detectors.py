@@ -255,6 +255,11 @@ def test_short_spike_far_above_the_trailing_max_is_found_without_sustain(
         assert lo <= 199 * GLOBAL_BATCH < hi
         off = rc.model_copy(update={"loss_spike_hard_factor": 40.0})
         assert detect_loss_spike(snapshot(upto), off) == []
+        # Seen in one scrape only and long gone by the tick: still found (the soak's miss).
+        later = [s for s in samples if (s.step or 0) <= 260]
+        (late,) = detect_loss_spike(snapshot(later), rc)
+        assert late.evidence["rule"] == "hard_factor" and late.first_bad_step is not None
+        assert late.last_healthy_step < 200 <= late.first_bad_step
 
 
 def test_fresh_attempt_exporting_checkpoint_zero_is_not_a_stall(rc: RecoverySpec) -> None:
