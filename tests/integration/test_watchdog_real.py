@@ -68,34 +68,38 @@ def _run(stack: Stack, spec: dict[str, Any], timeout_s: float = 240) -> dict[str
     return stack.wait_run(run_id, timeout_s)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_poisoned_window_is_rolled_back_and_skipped(stack: Stack) -> None:
-    """The poison lasts to the end of the run, so it cannot pass unseen between scrapes on a
-    fast machine: only a rollback with a skip past it lets the run finish on the clean trend."""
-    poison = (60 * BATCH, 120 * BATCH)  # steps 61-120
+    """Steps 201-260 of 360 are poisoned. On a quiet machine the tiny model runs several steps
+    per 1 s scrape, so the poison comes late enough for the detectors to have a baseline of
+    healthy scrapes, and the job is still running when the spike is seen. Only a rollback with
+    a skip past the window lets the run finish on the clean trend."""
+    poison = (200 * BATCH, 260 * BATCH)  # steps 201-260
+    steps = 360
     spec = tiny_spec(
         "it-poison",
         stack.data,
         model={"hidden_size": 128, "seq_length": 128, "num_attention_heads": 4},
-        training={"train_steps": 120, "global_batch_size": BATCH},
-        checkpoint={"interval_steps": 10},
+        training={"train_steps": steps, "global_batch_size": BATCH},
+        checkpoint={"interval_steps": 10, "keep_last": 30},  # every loss stays on record
         recovery={"loss_spike_sustain_steps": 2, "rollback_skip_steps": 60},
         faults=[{"kind": "poison_data", "start_sample": poison[0], "end_sample": poison[1]}],
     )
-    out = _run(stack, spec)
+    out = _run(stack, spec, timeout_s=300)
     assert out["state"] == "succeeded", out
     run, incidents, losses = _records(stack, out["id"])
     (incident,) = incidents
-    assert incident.kind == "loss_spike" and incident.remedy == "rollback"
+    # Poisoned batches blow up the loss and the grad norm alike; either symptom, same cure.
+    assert incident.kind in ("loss_spike", "grad_explosion") and incident.remedy == "rollback"
     assert incident.state is IncidentState.RECOVERED
     # Rolled back to a checkpoint before the onset, and the skip covers the poisoned window.
     assert run.resume_step is not None and run.resume_step * BATCH <= poison[0]
     assert any(lo <= poison[0] and hi >= poison[1] for lo, hi in run.skip_ranges_json)
-    first, before, final = losses[10], losses[run.resume_step], losses[120]
+    first, before, final = losses[10], losses[run.resume_step], losses[steps]
     assert first is not None and before is not None and final is not None
-    # The curve continues the pre-fault trend: below where training started, and within the
-    # batch-to-batch noise of the loss at the rollback point (the poison put it at ~20×).
-    assert math.isfinite(final) and final < first and abs(final - before) < 0.15 * before, losses
+    # The curve continues the pre-fault trend: below where training started, and no worse than
+    # the loss at the rollback point beyond batch-to-batch noise (the poison put it at ~20×).
+    assert math.isfinite(final) and final < first and final < 1.15 * before, losses
     _report_timing("poisoned data window", incident)
 
 
