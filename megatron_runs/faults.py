@@ -103,13 +103,18 @@ class Faults:
         if not fired:
             return None
         self._mark_fired(_corrupt_marker(fired[0]))
-        files = [p for p in Path(ckpt).rglob("*") if p.is_file() and p.name != "nightwatch.json"]
-        if not files:
-            return None
-        victim = max(files, key=lambda p: p.stat().st_size)
-        with victim.open("r+b") as fh:
-            fh.truncate(victim.stat().st_size // 2)
-        return victim
+        return truncate_largest(Path(ckpt))
+
+
+def truncate_largest(ckpt: Path) -> Path | None:
+    """What a torn write looks like: the largest data file of a checkpoint cut to half."""
+    files = [p for p in ckpt.rglob("*") if p.is_file() and p.name != "nightwatch.json"]
+    if not files:
+        return None
+    victim = max(files, key=lambda p: p.stat().st_size)
+    with victim.open("r+b") as fh:
+        fh.truncate(victim.stat().st_size // 2)
+    return victim
 
 
 def _crash_marker(fault: CrashFault) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from benchmarks.soak.schedule import FaultKind, ScheduledFault
 from benchmarks.soak.services import Cluster, Supervisor
+from megatron_runs.faults import truncate_largest
 
 PREEMPT_GRACE_S = 30.0
 
@@ -99,17 +100,6 @@ def newest_checkpoint(ckpt_dir: Path) -> Path | None:
         return None
     path = ckpt_dir / f"iter_{step:07d}"
     return path if path.is_dir() else None
-
-
-def truncate_largest(ckpt: Path) -> Path | None:
-    """What a torn write looks like: the largest data file cut to half its size."""
-    files = [p for p in ckpt.rglob("*") if p.is_file() and p.name != "nightwatch.json"]
-    if not files:
-        return None
-    victim = max(files, key=lambda p: p.stat().st_size)
-    with victim.open("r+b") as fh:
-        fh.truncate(victim.stat().st_size // 2)
-    return victim
 
 
 def elapsed_minutes(text: str) -> int:

@@ -6,9 +6,10 @@ from pathlib import Path
 
 from benchmarks.chaos_soak import Mode, acceptance, mode_from_args, parse_args, soak_spec
 from benchmarks.soak.baseline import sbatch_script
-from benchmarks.soak.faults import elapsed_minutes, truncate_largest
+from benchmarks.soak.faults import elapsed_minutes
 from benchmarks.soak.schedule import SHORT_KINDS, FaultKind, SoakShape, draw
 from benchmarks.soak.score import SystemScore
+from megatron_runs.faults import truncate_largest
 from supervisor.spec import RunSpec
 
 DATA = {"prefix": "/data/demo/text_document", "tokenizer": "/data/demo/tokenizer.json"}
