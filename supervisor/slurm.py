@@ -613,10 +613,15 @@ def task_exit_code(codes: Sequence[int], tasks: int) -> int | None:
     return 75 if 75 in codes else 0
 
 
-def make_cluster(slurm_conf: str | Path | None = None) -> SlurmCluster | LocalCluster:
-    """SLURM when a controller answers, else the embedded local executor."""
+def make_cluster(
+    slurm_conf: str | Path | None = None, executor: str = "auto"
+) -> SlurmCluster | LocalCluster:
+    """`executor` "slurm" or "local" as configured; "auto": SLURM when a controller answers,
+    else the embedded local executor."""
     conf = slurm_conf or os.environ.get("SLURM_CONF")
-    if detect_slurm(conf):
+    if executor == "local":
+        return LocalCluster()
+    if executor == "slurm" or detect_slurm(conf):
         return SlurmCluster(conf)
     return LocalCluster()
 

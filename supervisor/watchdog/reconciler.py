@@ -990,8 +990,9 @@ def build_reconciler(
     supervisor_metrics: SupervisorMetrics | None = None,
     cluster: Cluster | None = None,
 ) -> Reconciler:
-    """The supervisor's reconciler from its Settings: SLURM when a controller answers (else
-    submitit's local executor), Prometheus when configured (else direct scrapes)."""
+    """The supervisor's reconciler from its Settings: the configured executor (auto: SLURM when
+    a controller answers, else submitit's local executor), Prometheus when configured (else
+    direct scrapes)."""
     stale = max(15.0, 3 * settings.tick_seconds)
     source: MetricSource
     if settings.prometheus_url:
@@ -1000,7 +1001,7 @@ def build_reconciler(
         source = ScrapeSource(lambda: endpoint_targets(db), stale_after_s=stale)
     return Reconciler(
         db,
-        cluster or make_cluster(),
+        cluster or make_cluster(executor=settings.executor),
         source,
         WatchdogConfig(
             home=settings.home,

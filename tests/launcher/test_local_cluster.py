@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from supervisor import launcher
-from supervisor.slurm import JobState, LocalCluster, Unsupported, make_cluster, wait_for
+from supervisor.slurm import (
+    JobState,
+    LocalCluster,
+    SlurmCluster,
+    Unsupported,
+    make_cluster,
+    wait_for,
+)
 
 from .cluster_helpers import job_logs, latest, wait_until
 
@@ -36,3 +45,13 @@ def test_local_run_trains_and_stops_on_signal(tmp_path, toy_spec, toy_plan):
     assert "rank 1/2" in logs
     assert done.state is JobState.FAILED and done.exit_code == 75, done
     assert launcher.attempt_state(done) == "preempted"
+
+
+def test_configured_executor_wins_over_a_reachable_slurm_conf(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """NIGHTWATCH_EXECUTOR=local must not be overridden by a SLURM_CONF in the environment."""
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
+    assert isinstance(make_cluster(executor="local"), LocalCluster)
+    assert isinstance(make_cluster(executor="slurm"), SlurmCluster)
+    assert isinstance(make_cluster(executor="auto"), LocalCluster)  # no controller answers
