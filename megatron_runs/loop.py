@@ -392,7 +392,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
             _checkpoint(
                 spec, model, optimizer, root, step, cursor, loss, layout, metrics, faults, log
             )
-        if stop_requested:
+        if stop_requested and step < target:  # a signal at the last step changes nothing
             log("stopping_on_signal", step=step, signal=int(signum))
             exit_code = exitcodes.REQUEUE
             break

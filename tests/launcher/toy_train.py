@@ -114,7 +114,7 @@ def train(spec, ctx: TrainContext) -> TrainResult:
         if rank == 0 and (step % interval == 0 or step == target or stopping):
             save(ckpt, step, value, world)
         dist.barrier()
-        if stopping:
+        if stopping and step < target:  # like the trainer: the last step completes the run
             print(f"toy: stop signal, checkpointed step {step}", flush=True)
             code = 75
             break

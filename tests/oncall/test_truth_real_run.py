@@ -40,9 +40,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 
 
-#: Steps 121-144 are poisoned: one CPU process runs several steps a second, so the watchdog
-#: first needs a dozen scrapes of healthy loss for its baseline.
-POISON = (120 * BATCH, 144 * BATCH)
+#: Steps 401-460 are poisoned. One CPU process runs 10-30 steps a second depending on the
+#: machine, and the watchdog first needs several scrapes (1 s) of healthy loss for a baseline:
+#: a window at step 120 came before the baseline on a fast CI machine and went unseen. 60 steps
+#: stay poisoned for at least two scrapes; the skip covers the whole window whatever step the
+#: spike is detected at, so one rollback cures it.
+POISON = (400 * BATCH, 460 * BATCH)
 
 
 def scenario_spec() -> dict[str, Any]:
@@ -53,6 +56,8 @@ def scenario_spec() -> dict[str, Any]:
         data={},  # the built-in demo corpus, prepared by the trainer under NIGHTWATCH_HOME
         parallelism={"tensor": 1, "pipeline": 1, "data": 1, "distributed_optimizer": False},
         resources={"nodes": 1, "gpus_per_node": 1, "cpus_per_task": 1},
+        checkpoint={"interval_steps": 10, "keep_last": 20},
+        recovery={**spec["recovery"], "rollback_skip_steps": (POISON[1] - POISON[0]) // BATCH},
         faults=[{"kind": "poison_data", "start_sample": POISON[0], "end_sample": POISON[1]}],
     )
     return spec
