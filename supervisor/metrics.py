@@ -18,7 +18,14 @@ NAMESPACE = "nightwatch_supervisor"
 class SupervisorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.runs = Gauge(f"{NAMESPACE}_runs", "Runs by state.", ["state"], registry=registry)
+        # set from the database per scrape; with several API processes the newest set wins
+        self.runs = Gauge(
+            f"{NAMESPACE}_runs",
+            "Runs by state.",
+            ["state"],
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
         self.http_requests = Counter(
             f"{NAMESPACE}_http_requests_total",
             "API requests by route template and status code.",

@@ -38,6 +38,9 @@ class Settings(BaseModel):
     )
     host: str = "127.0.0.1"
     port: int = Field(default=8787, ge=0, le=65535)
+    workers: int = Field(
+        default=1, ge=1, le=64, description="API processes (the reconciler runs once, beside)."
+    )
 
     @property
     def db_url(self) -> str:
@@ -61,6 +64,7 @@ class Settings(BaseModel):
             "host": "NIGHTWATCH_HOST",
             "port": "NIGHTWATCH_PORT",
             "token_cache_seconds": "NIGHTWATCH_TOKEN_CACHE_SECONDS",
+            "workers": "NIGHTWATCH_WORKERS",
         }
         values = {field: env[var] for field, var in names.items() if env.get(var)}
         return cls.model_validate(values)

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -36,8 +37,12 @@ def create_app(
     *,
     database: Database | None = None,
     registry: CollectorRegistry | None = None,
+    metrics_dir: Path | None = None,
 ) -> FastAPI:
-    """The API over `database` (default: one built from settings; migrations not applied)."""
+    """The API over `database` (default: one built from settings; migrations not applied).
+
+    `metrics_dir`: this is one of several worker processes (`supervisor.api.workers_mode`),
+    and /metrics merges the metric files there."""
     db = database or Database(settings.db_url)
 
     @asynccontextmanager
@@ -55,6 +60,7 @@ def create_app(
     app.state.settings = settings
     app.state.db = db
     app.state.registry = registry or CollectorRegistry()
+    app.state.metrics_dir = metrics_dir
     app.state.metrics = SupervisorMetrics(app.state.registry)
     app.state.principals = PrincipalCache(settings.token_cache_seconds)
     if settings.prometheus_url:

@@ -10,7 +10,12 @@ from supervisor.cli._app import app, db_app, token_app
 from supervisor.cli._common import fail, local_settings
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from supervisor.db import Database
+    from supervisor.metrics import SupervisorMetrics
+    from supervisor.settings import Settings
+    from supervisor.watchdog.reconciler import Reconciler
 
 
 def _upgraded_database() -> Database:
@@ -35,28 +40,79 @@ def serve(
     reconciler: Annotated[
         bool, typer.Option(help="Run the watchdog's reconcile loop in this process.")
     ] = True,
+    workers: Annotated[
+        int | None,
+        typer.Option(min=1, max=64, help="API processes; default $NIGHTWATCH_WORKERS or 1."),
+    ] = None,
 ) -> None:
     """Apply migrations and run the API server (and the reconciler)."""
     import uvicorn
 
-    from supervisor.api.app import create_app
     from supervisor.logs import configure_logging
 
     configure_logging()
     db = _upgraded_database()
     settings = local_settings()
-    app_ = create_app(settings, database=db)
-    loop = None
-    if reconciler:
-        from supervisor.watchdog.reconciler import build_reconciler
+    host, port = host or settings.host, port or settings.port
+    if (workers or settings.workers) > 1:
+        _serve_workers(settings, db, host, port, workers or settings.workers, reconciler)
+        return
+    from supervisor.api.app import create_app
 
-        loop = build_reconciler(
-            settings, db, registry=app_.state.registry, supervisor_metrics=app_.state.metrics
-        )
-        loop.start()
+    app_ = create_app(settings, database=db)
+    loop = _start_reconciler(settings, db, app_.state.registry, app_.state.metrics, reconciler)
     try:
-        uvicorn.run(app_, host=host or settings.host, port=port or settings.port, access_log=False)
+        uvicorn.run(app_, host=host, port=port, access_log=False)
     finally:
+        if loop is not None:
+            loop.stop()
+
+
+def _start_reconciler(
+    settings: Settings,
+    db: Database,
+    registry: CollectorRegistry,
+    metrics: SupervisorMetrics | None,
+    enabled: bool,
+) -> Reconciler | None:
+    if not enabled:
+        return None
+    from supervisor.watchdog.reconciler import build_reconciler
+
+    loop = build_reconciler(settings, db, registry=registry, supervisor_metrics=metrics)
+    loop.start()
+    return loop
+
+
+def _serve_workers(
+    settings: Settings, db: Database, host: str, port: int, workers: int, reconciler: bool
+) -> None:
+    """N uvicorn worker processes for the API, the reconciler here (see api.workers_mode)."""
+    import os
+
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from supervisor.api import workers_mode
+
+    metrics_dir = workers_mode.fresh_metrics_dir(settings.home, port)
+    os.environ[workers_mode.METRICS_DIR_ENV] = str(metrics_dir)
+    registry = CollectorRegistry()
+    # The workers set the run counts per scrape: the reconciler must not export them twice.
+    loop = _start_reconciler(settings, db, registry, None, reconciler)
+    writer = workers_mode.MetricsFileWriter(registry, metrics_dir, settings.tick_seconds)
+    writer.start()
+    try:
+        uvicorn.run(
+            "supervisor.api.workers_mode:create_worker_app",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            access_log=False,
+        )
+    finally:
+        writer.stop()
         if loop is not None:
             loop.stop()
 

@@ -13,6 +13,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from supervisor import store
 from supervisor.api.deps import SessionDep
 from supervisor.api.schemas import ErrorBody, Health
+from supervisor.api.workers_mode import exposition
 
 router = APIRouter(tags=["health"])
 
@@ -43,4 +44,6 @@ def metrics(request: Request, session: SessionDep) -> Response:
     """`nightwatch_supervisor_*` metrics; run counts are read from the database per scrape."""
     state = request.app.state
     state.metrics.set_run_counts(store.count_runs_by_state(session))
+    if state.metrics_dir is not None:
+        return Response(exposition(state.metrics_dir), media_type=CONTENT_TYPE_LATEST)
     return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,114 @@
+"""`nightwatch serve --workers 2` as a real process tree: the API answers from two processes
+that share the SQLite database (idempotency holds across them), and /metrics is one
+supervisor's: request counts summed over the workers, the reconciler's metrics once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import suppress
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor import store
+from supervisor.api.examples import TINY_SPEC
+from supervisor.auth import Scope
+from supervisor.db import Database
+
+from .test_idempotency_live import RETRIES, _burst
+
+REPO = Path(__file__).resolve().parents[2]
+HEALTH_CHECKS = 40
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[str, str, psutil.Process]]:
+    home = tmp_path / "home"
+    db = Database(f"sqlite:///{home / 'nightwatch.db'}")
+    db.upgrade()
+    with db.write_session() as s:
+        token = store.create_token(s, "ci", [Scope.SUBMIT])[1]
+    db.dispose()
+    port = _free_port()
+    env = {
+        **os.environ, "NIGHTWATCH_HOME": str(home), "NIGHTWATCH_PORT": str(port),
+        "NIGHTWATCH_EXECUTOR": "local", "NIGHTWATCH_TICK_SECONDS": "60",
+    }  # fmt: skip
+    env.pop("NIGHTWATCH_DATABASE_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "serve", "--workers", "2"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with suppress(httpx.TransportError):
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.2)
+        yield url, token, psutil.Process(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    families = list(text_string_to_metric_families(httpx.get(f"{url}/metrics").text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), f"metric families exported twice: {names}"
+    return {f.name: [(s.labels, s.value) for s in f.samples] for f in families}
+
+
+def _healthz_count(url: str) -> float:
+    return sum(
+        v
+        for labels, v in _scrape(url)["nightwatch_supervisor_http_requests"]
+        if labels.get("route") == "/healthz" and labels.get("status") == "200"
+    )
+
+
+def test_two_api_processes_make_one_supervisor(
+    server: tuple[str, str, psutil.Process],
+) -> None:
+    url, token, parent = server
+    spawned = [p for p in parent.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    assert len(spawned) >= 2, parent.children(recursive=True)  # uvicorn's two workers
+
+    before = _healthz_count(url)
+    for _ in range(HEALTH_CHECKS):  # a new connection each: the kernel spreads them
+        assert httpx.get(f"{url}/healthz").status_code == 200
+    assert _healthz_count(url) - before == HEALTH_CHECKS  # each once, whichever worker answered
+    assert "nightwatch_supervisor_last_tick_timestamp_seconds" in _scrape(url)  # the reconciler's
+
+    headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": "ci-build-4712"}
+    responses = asyncio.run(_burst(url, headers, [TINY_SPEC] * RETRIES))
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200] * (RETRIES - 1) + [201], codes
+    assert len({r.json()["id"] for r in responses}) == 1
+    runs = dict((labels["state"], v) for labels, v in _scrape(url)["nightwatch_supervisor_runs"])
+    assert runs["pending"] == 1 and sum(runs.values()) == 1, runs
