@@ -741,6 +741,8 @@ class Reconciler:
         if job.health is not SourceHealth.UP or job.state is None:
             return
         new = _ATTEMPT_STATE.get(job.state)
+        if new is AttemptState.FAILED and job.exit_code == EXIT_REQUEUE:
+            new = AttemptState.PREEMPTED  # checkpointed on USR2/TERM; SLURM says FAILED 75
         if new is None or attempt.state is new or attempt.ended_at is not None:
             return
         fields: dict[str, Any] = {"state": new}
@@ -882,13 +884,17 @@ class Reconciler:
                 )
 
     def _close_incidents(self, incidents: list[Incident], now: float) -> None:
+        """The run reached its target with incidents whose recovery was never scraped (a short
+        attempt can end between scrapes): dated now, steps lost from the remedy's evidence."""
         for incident in incidents:
+            ev = incident.evidence_json or {}
             with self.db.write_session() as s:
                 store.update_incident(
                     s,
                     incident.id,
                     state=IncidentState.RECOVERED,
                     recovered_ts=incident.recovered_ts or datetime.fromtimestamp(now, UTC),
+                    steps_lost=accounting.steps_lost(ev.get("step"), ev.get("resume_from")),
                 )
 
     def _history(

@@ -125,16 +125,7 @@ def test_nan_on_a_bad_node_excludes_it_and_finishes_on_a_spare(stack: Stack) -> 
         training={"train_steps": 60, "global_batch_size": 16},
         faults=[{"kind": "node", "node": "n1", "effect": "nan_grads", "after_step": 8}],
     )
-    _wait_nodes_idle(stack)
-    blocker = _sbatch_blocker(stack, "n2,n3")
-    try:
-        run_id = stack.api("POST", "/v1/runs", spec)["id"]
-        deadline = time.monotonic() + 300
-        while stack.api("GET", f"/v1/runs/{run_id}")["excluded_nodes"] != ["n1"]:
-            assert time.monotonic() < deadline, stack.api("GET", f"/v1/runs/{run_id}/events")
-            time.sleep(1)
-    finally:
-        stack.slurm.cancel(blocker)
+    run_id = _submit_until_excluded(stack, spec, "n1", blocked="n2,n3")
     out = stack.wait_run(run_id, 240)
     assert out["state"] == "succeeded", out
     _, incidents, losses = _records(stack, run_id)
@@ -148,6 +139,25 @@ def test_nan_on_a_bad_node_excludes_it_and_finishes_on_a_spare(stack: Stack) -> 
     ]
     _report_timing("NaN on a bad node (rollback)", incidents[0])
     _report_timing("NaN on a bad node (exclusion)", incidents[1])
+
+
+def _submit_until_excluded(
+    stack: Stack, spec: dict[str, Any], node: str, blocked: str, timeout_s: float = 300
+) -> str:
+    """Submit while a blocker job holds the `blocked` nodes, until the watchdog excludes
+    `node`, as a busy cluster would: otherwise SLURM may place a remedy's attempt on a healthy
+    node and that remedy "cures" a sick node."""
+    _wait_nodes_idle(stack)
+    blocker = _sbatch_blocker(stack, blocked)
+    try:
+        run_id = stack.api("POST", "/v1/runs", spec)["id"]
+        deadline = time.monotonic() + timeout_s
+        while stack.api("GET", f"/v1/runs/{run_id}")["excluded_nodes"] != [node]:
+            assert time.monotonic() < deadline, stack.api("GET", f"/v1/runs/{run_id}/events")
+            time.sleep(1)
+    finally:
+        stack.slurm.cancel(blocker)
+    return str(run_id)
 
 
 def _sbatch_blocker(stack: Stack, nodes: str) -> str:

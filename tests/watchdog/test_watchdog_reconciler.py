@@ -17,6 +17,7 @@ from supervisor.models import (
     Action,
     ActionState,
     Attempt,
+    AttemptState,
     Event,
     EventKind,
     Incident,
@@ -142,6 +143,30 @@ def test_nan_rolls_back_before_onset_skips_and_recovers(db: Database, tmp_path: 
     assert f'nightwatch_supervisor_run_ettr_ratio{{run_id="{run_id}"}}' in text
 
 
+def test_incident_closed_at_completion_still_counts_steps_lost(
+    db: Database, tmp_path: Path
+) -> None:
+    """A short attempt can finish before Prometheus ever scrapes it (seen on the real stack
+    after a hang restart): the incident is closed at completion, and its steps lost (known
+    since the remedy) must not be left out."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, _ = running(db, tmp_path, cluster, source)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(TINY_SPEC))
+    write_checkpoint(ckpt, 100, 800)
+    source.samples[(run_id, 1)] = nan_samples(run_id)
+    assert rec.tick().remedies[run_id].kind is RemedyKind.ROLLBACK
+    job2 = cluster.submitted[-1][0]
+    cluster.set(job2, JobState.RUNNING)
+    rec.tick()  # no sample of attempt 2 ever arrives
+    write_checkpoint(ckpt, 300, 2400, saved_at=time.time() + 1)
+    cluster.set(job2, JobState.COMPLETED, exit_code=0)
+    rec.tick()
+    assert get_run(db, run_id).state is RunState.SUCCEEDED
+    (incident,) = rows(db, Incident, run_id)
+    assert incident.state is IncidentState.RECOVERED and incident.recovered_ts is not None
+    assert incident.steps_lost == 30  # reached 130, resumed from 100
+
+
 def test_replayed_remedy_is_a_noop(db: Database, tmp_path: Path) -> None:
     cluster, source = FakeCluster(), FakeSource()
     rec, run_id, job = running(db, tmp_path, cluster, source)
@@ -226,6 +251,18 @@ def test_preemption_requeues_and_completion_succeeds(db: Database, tmp_path: Pat
     assert get_run(db, run_id).state is RunState.SUCCEEDED
     rec.tick()
     assert len(cluster.submitted) == 2
+
+
+def test_exit_75_is_recorded_as_preempted_and_requeued(db: Database, tmp_path: Path) -> None:
+    """SLURM calls a job that checkpointed on USR2 and exited 75 FAILED; the attempt row must
+    say preempted (docs/contracts.md), or the API and reports show a failure that never was."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    cluster.set(job, JobState.FAILED, exit_code=75)
+    assert rec.tick().remedies[run_id].kind is RemedyKind.REQUEUE
+    first, second = rows(db, Attempt, run_id)
+    assert first.state is AttemptState.PREEMPTED and first.exit_code == 75
+    assert second.resume_step is None  # the trainer picks the checkpoint it wrote on the signal
 
 
 def test_node_fail_excludes_the_node_and_resubmits(db: Database, tmp_path: Path) -> None:
