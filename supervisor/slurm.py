@@ -428,6 +428,22 @@ class SlurmCluster:
         ids.update(parse_job_ids(out))
         return sorted(ids, key=_job_sort_key)
 
+    def finish_submission(self, job_id: str, log_dir: Path) -> bool:
+        """Finish a submission cut short after sbatch accepted it: the supervisor died before
+        submitit moved the job's pickle from `log_dir` into `<job id>/`, and the job, adopted
+        by `find_jobs`, would wait 60 s for it and fail like a program error. The attempt's
+        newest orphan pickle is that job's (a job found by name is never submitted again, so
+        older orphans are from sbatch calls that never got a job). True when it was moved."""
+        paths = submitit.core.utils.JobPaths(log_dir / "%j", job_id=job_id)
+        if paths.submitted_pickle.exists():
+            return False
+        orphans = sorted(log_dir.glob("*.pkl"), key=lambda p: p.stat().st_mtime)
+        if not orphans:
+            return False
+        paths.folder.mkdir(parents=True, exist_ok=True)
+        os.replace(orphans[-1], paths.submitted_pickle)
+        return True
+
     def _run_squeue(self, cmd: list[str]) -> str:
         """squeue fails on a single id it no longer knows; that is "no line", not an outage."""
         try:

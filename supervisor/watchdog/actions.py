@@ -243,7 +243,15 @@ class Actuator:
         return job_id
 
     def _already_submitted(self, run_id: str, number: int, log_dir: Path) -> str | None:
-        """A job of a submission whose outcome was never recorded (the supervisor died)."""
+        """A job of a submission whose outcome was never recorded (the supervisor died),
+        with its submission finished if the death came between sbatch and the job's pickle."""
+        job_id = self._find_submitted(run_id, number, log_dir)
+        finisher = getattr(self.cluster, "finish_submission", None)
+        if job_id is not None and finisher is not None and finisher(job_id, log_dir):
+            log.warning(f"job {job_id} was submitted without its task", extra=_ctx(run_id, number))
+        return job_id
+
+    def _find_submitted(self, run_id: str, number: int, log_dir: Path) -> str | None:
         finder = getattr(self.cluster, "find_jobs", None)
         if finder is not None:
             try:

@@ -1,12 +1,13 @@
 """A supervisor process for the SIGKILL trials: the real reconciler, store and actuator over
-SQLite, with a SLURM stand-in whose state lives in a file (so it outlives the supervisor).
+SQLite, against a SLURM that outlives the supervisor: a stand-in whose state lives in a file, or
+a real cluster whose jobs run a scripted stand-in of the trainer (sigkill_trials.ScriptedJob).
 
-The stand-in makes every attempt end badly until attempt `--attempts`: attempt 3 FAILS
-(restart), the others are PREEMPTED or hit their TIMEOUT (requeue), the last COMPLETES after
-writing a checkpoint at the target step. Each submit/cancel sleeps a little, so kills land
-inside remedies.
+Either way every attempt ends badly until attempt `--attempts` (sigkill_trials.scripted_ending):
+attempt 3 FAILS (restart), the others are preempted or hit their walltime (requeue), the last
+COMPLETES after writing a checkpoint at the target step. The stand-in's submit/cancel sleep a
+little, so kills land inside remedies.
 
-    python sigkill_supervisor.py DB_URL HOME STATE_FILE --attempts N
+    python sigkill_supervisor.py DB_URL HOME (--state STATE_FILE | --slurm-conf CONF) --attempts N
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,6 +24,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import submitit
+from sigkill_trials import (
+    ScriptedSlurmCluster,
+    parse_job_name,
+    scripted_ending,
+    write_target_checkpoint,
+)
+
+from supervisor import store
 from supervisor.db import Database
 from supervisor.models import RunState
 from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, Submission
@@ -50,11 +62,11 @@ class FileCluster:
         time.sleep(OP_DELAY_S)
         with self._state() as st:
             job_id = str(1000 + len(st["jobs"]))
-            run_id, _, attempt = request.job_name.removeprefix("nw-").rpartition("-a")
+            run_id, attempt = parse_job_name(request.job_name)
             st["jobs"][job_id] = {
                 "name": request.job_name,
                 "run_id": run_id,
-                "attempt": int(attempt),
+                "attempt": attempt,
                 "state": "PENDING",
                 "polls": 0,
             }
@@ -83,17 +95,10 @@ class FileCluster:
         return out
 
     def _end(self, job: dict[str, Any]) -> str:
-        if job["attempt"] >= self.attempts:
-            from megatron_runs.checkpointing import step_dir, write_meta
-
-            ckpt = step_dir(self.home / "runs" / job["run_id"] / "checkpoints", self.target)
-            ckpt.mkdir(parents=True, exist_ok=True)
-            (ckpt / "model.bin").write_bytes(b"x" * 8)
-            write_meta(ckpt, self.target, self.target * 8, 2.0, {"data": 1})
-            return "COMPLETED"
-        if job["attempt"] == 3:
-            return "FAILED"  # one crash: restart (a second would make the policy suspect n1)
-        return "PREEMPTED" if job["attempt"] % 2 else "TIMEOUT"
+        ending = scripted_ending(job["attempt"], self.attempts)
+        if ending is JobState.COMPLETED:
+            write_target_checkpoint(self.home, job["run_id"], self.target)
+        return ending.value
 
     def cancel(self, job_id: str) -> None:
         time.sleep(OP_DELAY_S)
@@ -121,28 +126,52 @@ class NoMetrics:
         return {k: MetricsView(SourceHealth.MISSING) for k in keys}
 
 
+def die_after_sbatch() -> None:
+    """SIGKILL this process right after sbatch accepted a job, before submitit moves the job's
+    pickle into its folder: the narrowest window of a submission, hit on purpose."""
+    move = submitit.core.utils.JobPaths.move_temporary_file
+
+    def die(self: Any, tmp: Path, name: str, keep_as_symlink: bool = False) -> None:
+        if name == "submitted_pickle":
+            os.kill(os.getpid(), signal.SIGKILL)
+        move(self, tmp, name, keep_as_symlink)
+
+    submitit.core.utils.JobPaths.move_temporary_file = die  # type: ignore[method-assign]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("db_url")
     parser.add_argument("home", type=Path)
-    parser.add_argument("state", type=Path)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--state", type=Path, help="the stand-in's state file")
+    where.add_argument("--slurm-conf", type=Path, help="a real cluster")
     parser.add_argument("--attempts", type=int, default=6)
     parser.add_argument("--target", type=int, default=100)
+    parser.add_argument("--job-seconds", type=float, default=1.0, help="real jobs' sleep")
+    parser.add_argument("--tick", type=float, default=0.01, help="pause between ticks")
+    parser.add_argument("--die-after-sbatch", action="store_true")
     args = parser.parse_args()
+    if args.die_after_sbatch:
+        die_after_sbatch()
     db = Database(args.db_url)
-    cluster = FileCluster(args.state, args.home, args.attempts, args.target)
-    config = WatchdogConfig(home=args.home, tick_seconds=0.01, lease_ttl_s=0.5)
+    cluster: FileCluster | ScriptedSlurmCluster
+    if args.state is not None:
+        cluster = FileCluster(args.state, args.home, args.attempts, args.target)
+    else:
+        cluster = ScriptedSlurmCluster(
+            args.slurm_conf, args.home, args.attempts, args.target, args.job_seconds
+        )
+    config = WatchdogConfig(home=args.home, tick_seconds=args.tick, lease_ttl_s=0.5)
     rec = Reconciler(db, cluster, NoMetrics(), config)
     print("ready", flush=True)
     while True:
         rec.tick()
         with db.session() as s:
-            from supervisor import store
-
             runs = store.list_runs(s).items
         if runs and all(r.state.terminal or r.state is RunState.NEEDS_ATTENTION for r in runs):
             return 0
-        time.sleep(0.01)
+        time.sleep(args.tick)
 
 
 if __name__ == "__main__":
