@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import select
+from watchdog_fakes import TINY_SPEC
 
 from supervisor import store
 from supervisor.db import Database
@@ -33,13 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SPEC = {
     "name": "sigkill",
-    "model": {
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "seq_length": 32,
-        "vocab_size": 256,
-    },
+    "model": TINY_SPEC["model"],
     "resources": {"nodes": 1, "gpus_per_node": 1, "cpus_per_task": 1, "time_limit_minutes": 5},
     "training": {"train_steps": 100, "global_batch_size": 8},
     "recovery": {"max_restarts": 100},
