@@ -5,7 +5,8 @@ Rules every detector keeps:
   yields no finding (the policy reports it, nothing convicts or clears on it);
 - job-based detectors look only at an UP SLURM view;
 - "sustained" is counted in distinct training steps, never in repeated scrapes of one step;
-- the onset of a numeric fault is bounded by the last sample seen healthy.
+- the onset of a numeric fault is bounded by the last sample seen healthy (a NaN seen
+  with none before it: by the process's count of non-finite steps).
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ def detect_nonfinite(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     bad = samples[first]
     healthy = next((s for s in reversed(samples[:first]) if s.step is not None), None)
     latest = samples[-1]
+    onset = _onset_fields(healthy, bad)
+    if healthy is None:
+        onset["first_bad_step"] = _counted_onset(bad)
     return [
         Finding(
             kind=FindingKind.NONFINITE,
@@ -122,9 +126,21 @@ def detect_nonfinite(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
                 # the backward pass of some node was not (the policy's node suspicion).
                 "grads_only": _finite(bad.loss),
             },
-            **_onset_fields(healthy, bad),  # type: ignore[arg-type]
+            **onset,  # type: ignore[arg-type]
         )
     ]
+
+
+def _counted_onset(bad: MetricSample) -> int | None:
+    """The latest step the onset can be at when no healthy sample precedes `bad`.
+
+    An attempt can go bad before its first scrape (a new target waits for discovery), so the
+    first step seen bad may lie far past the onset, and a rollback to just before it would
+    resume after the onset. The process counts its non-finite steps: k of them up to step s
+    put the first at s - k + 1 or earlier."""
+    if bad.step is None or not bad.nonfinite_total:
+        return bad.step
+    return max(1, min(bad.step, bad.step - int(bad.nonfinite_total) + 1))
 
 
 def _json_float(x: float | None) -> float | str | None:

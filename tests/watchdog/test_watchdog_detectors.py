@@ -24,7 +24,15 @@ from supervisor.watchdog.detectors import (
     detect_straggler,
     detect_throughput_drop,
 )
-from supervisor.watchdog.snapshot import Cause, FindingKind, JobState, SourceHealth
+from supervisor.watchdog.policy import rollback_target
+from supervisor.watchdog.snapshot import (
+    Cause,
+    CheckpointRef,
+    FindingKind,
+    JobState,
+    RunHistory,
+    SourceHealth,
+)
 
 
 @pytest.mark.parametrize("steps_per_sample", [1, 3, 7])
@@ -84,6 +92,21 @@ def test_nonfinite_found_once_and_onset_bounded(rc: RecoverySpec) -> None:
     assert f.last_healthy_step == 148 and f.first_bad_step == 152
     assert f.sample_window == (148 * GLOBAL_BATCH, 152 * GLOBAL_BATCH)
     assert f.evidence["loss"] == "nan"
+
+
+def test_nonfinite_before_the_first_scrape_is_dated_by_the_counter(rc: RecoverySpec) -> None:
+    """An attempt first scraped well after its NaN began (a new target waits for Prometheus's
+    discovery): the non-finite counter, not the first step seen bad, bounds the onset, so a
+    rollback resumes before it."""
+    samples = simulate(1, steps=40, steps_per_sample=1, faults=Faults(nan_from=8))
+    late = [s for s in samples if s.step == 19]  # the first scrape: 12 NaN steps, 8..19
+    (f,) = detect_nonfinite(snapshot(late), rc)
+    assert f.last_healthy_step is None and f.first_bad_step == 8
+    ckpts = tuple(CheckpointRef(step=s, saved_at=0.0) for s in (5, 10, 15))
+    assert rollback_target(f, RunHistory(checkpoints=ckpts)) == 5
+    # A scrape torn between the NaN gauge and the counter's increment bounds by its own step.
+    torn = dataclasses.replace(late[0], nonfinite_total=0.0)
+    assert detect_nonfinite(snapshot([torn]), rc)[0].first_bad_step == 19
 
 
 def test_grad_explosion_needs_sustain(rc: RecoverySpec) -> None:
