@@ -1,5 +1,7 @@
 """Load test of the control-plane API: POST /v1/runs and GET /v1/runs/{id} at concurrency 32.
 
+Three phases: only POSTs, only GETs, then MIX (one POST in ten, the rest GETs).
+
 The server runs as a separate process (`python -m supervisor.cli serve --no-reconciler`, so
 the stored runs are not launched) on 127.0.0.1 with a fresh SQLite file or a fresh PostgreSQL
 database; this process is the client (asyncio streams, keep-alive HTTP/1.1; see `_Connection`).
@@ -7,6 +9,7 @@ Closed loop by default (as fast as 32 clients go); `--rate R` paces requests at 
 latency from each request's scheduled start, so a stalled server cannot hide its queueing.
 
     .venv/bin/python benchmarks/api_load.py --db sqlite --db postgresql --seconds 10
+    .venv/bin/python benchmarks/api_load.py --seconds 8 --rate 500 --workers 2
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from supervisor.db import Database  # noqa: E402
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 SERVE = [sys.executable, "-m", "supervisor.cli", "serve", "--no-reconciler"]
+#: The third phase: what a CI fleet and its dashboards send, one submission per ten reads.
+MIX_POST_EVERY = 10
+MIX = "MIX"
 
 
 @dataclass
@@ -189,7 +195,7 @@ async def _phase(
             delay = scheduled - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if op == "POST":
+            if op == "POST" or (op == MIX and i % MIX_POST_EVERY == 0):
                 key = f"Idempotency-Key: {uuid.uuid4()}\r\n"
                 status, answer = await conn.request(
                     _head("POST", "/v1/runs", token, key, len(body)), body
@@ -227,7 +233,7 @@ def bench(
     with _database(kind) as url, _server(url, workers) as (base, token, server):
         run_ids: list[str] = []
         asyncio.run(_phase(base, token, "POST", 1.0, concurrency, None, run_ids))  # warm-up
-        for op in ("POST", "GET"):
+        for op in ("POST", "GET", MIX):
             cpu_before, client_before = _cpu(server), time.process_time()
             lat, errors, elapsed = asyncio.run(
                 _phase(base, token, op, seconds, concurrency, rate, run_ids)
