@@ -247,7 +247,15 @@ def _key(labels: Mapping[str, str], wanted: set[RunKey]) -> RunKey | None:
 
 
 class PrometheusSource:
-    """PromQL over HTTP: one query per metric for all runs per tick, retried with tenacity."""
+    """PromQL over HTTP: one query per metric for all runs per tick, retried with tenacity.
+
+    With a `bridge` (a ScrapeSource over the registered endpoints), an attempt that Prometheus
+    has not scraped yet is scraped directly: Prometheus passes service-discovery updates to its
+    scrape loops at most every 5 s, so a new attempt's first scrape came 1-6 s after its
+    endpoint registered, and every restart's recovery (and any fault early in the attempt)
+    was seen that much later. The bridged samples go into the same window; once Prometheus
+    has the attempt's series the bridge stops for it.
+    """
 
     name = "prometheus"
 
@@ -261,9 +269,12 @@ class PrometheusSource:
         attempts: int = 2,
         parallel: int = 4,
         client: httpx.Client | None = None,
+        bridge: ScrapeSource | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.history = SampleHistory(window_s, stale_after_s)
+        self.bridge = bridge
+        self._scraped_by_prometheus: set[RunKey] = set()
         self._client = client or httpx.Client(timeout=timeout_s)
         self._attempts = attempts
         self._parallel = parallel
@@ -310,10 +321,21 @@ class PrometheusSource:
         self._last_query_t = now
         per_metric = dict(zip(names, results, strict=True))
         for key, samples in assemble(per_metric, keys, self.history.newest()).items():
+            if samples:
+                self._scraped_by_prometheus.add(key)
             for s in samples:
                 self.history.add(key, s)
+        self._scraped_by_prometheus &= set(keys)
+        self._bridge([k for k in keys if k not in self._scraped_by_prometheus], now)
         self.history.forget_except(keys)
         return {k: self.history.view(k, now) for k in keys}
+
+    def _bridge(self, unseen: Sequence[RunKey], now: float) -> None:
+        if self.bridge is None or not unseen:
+            return
+        for key, view in self.bridge.collect(unseen, now).items():
+            if view.health is SourceHealth.UP:
+                self.history.add(key, view.samples[-1])
 
 
 def loss_history(

@@ -997,14 +997,13 @@ def build_reconciler(
     cluster: Cluster | None = None,
 ) -> Reconciler:
     """The supervisor's reconciler from its Settings: the configured executor (auto: SLURM when
-    a controller answers, else submitit's local executor), Prometheus when configured (else
-    direct scrapes)."""
+    a controller answers, else submitit's local executor), Prometheus when configured (bridged
+    by direct scrapes for attempts it has not scraped yet), else direct scrapes."""
     stale = max(15.0, 3 * settings.tick_seconds)
-    source: MetricSource
+    scrape = ScrapeSource(lambda: endpoint_targets(db), stale_after_s=stale)
+    source: MetricSource = scrape
     if settings.prometheus_url:
-        source = PrometheusSource(settings.prometheus_url, stale_after_s=stale)
-    else:
-        source = ScrapeSource(lambda: endpoint_targets(db), stale_after_s=stale)
+        source = PrometheusSource(settings.prometheus_url, stale_after_s=stale, bridge=scrape)
     return Reconciler(
         db,
         cluster or make_cluster(executor=settings.executor),

@@ -188,6 +188,50 @@ def test_prometheus_source_keeps_attempts_apart_and_goes_stale(
     assert later.samples  # the window is still there, only not trusted
 
 
+def test_attempt_not_yet_in_prometheus_is_bridged_by_direct_scrapes(
+    tmp_path: Path, prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
+) -> None:
+    """A new attempt's endpoints are registered before Prometheus scrapes them (its discovery
+    updates come at most every 5 s): the source scrapes them directly meanwhile, into the same
+    window, and stops as soon as Prometheus has the attempt's series."""
+    e1, e2 = exporters
+    lookups: list[int] = []
+
+    def registered() -> list[Target]:
+        lookups.append(1)
+        return [
+            Target("r1", 2, "n1", "127.0.0.1", e1.port),
+            Target("r1", 2, "n2", "127.0.0.1", e2.port),
+        ]
+
+    blind_dir = tmp_path / "blind"
+    blind_dir.mkdir()
+    blind = PrometheusServer(blind_dir, [])  # up, but it never scrapes these endpoints
+    blind.start()
+    try:
+        bridged = PrometheusSource(
+            blind.url, stale_after_s=5.0, bridge=ScrapeSource(registered, stale_after_s=5.0)
+        )
+        seeing = PrometheusSource(
+            prometheus.url, stale_after_s=5.0, bridge=ScrapeSource(registered, stale_after_s=5.0)
+        )
+        with FakeTrainer(e1, e2, attempt=2, dt=0.05):
+            time.sleep(0.3)
+            bridged.collect([("r1", 2)], time.time())
+            time.sleep(0.3)
+            view = bridged.collect([("r1", 2)], time.time())[("r1", 2)]
+            assert len(lookups) == 2
+            prometheus.wait_for_series('nightwatch_train_step{attempt="2"}', count=2)
+            time.sleep(1.5)
+            seen = seeing.collect([("r1", 2)], time.time())[("r1", 2)]
+    finally:
+        blind.stop()
+    assert view.health is SourceHealth.UP and len(view.samples) == 2
+    first, second = view.samples
+    assert first.step < second.step and set(second.step_time) == {"n1", "n2"}  # type: ignore[operator]
+    assert seen.health is SourceHealth.UP and len(lookups) == 2  # Prometheus had it: no scrape
+
+
 def test_scrape_source_reads_endpoints_and_fails_down(
     exporters: tuple[Exporter, Exporter],
 ) -> None:
