@@ -61,8 +61,10 @@ def make_engine(url: str) -> Engine:
     """An engine configured for concurrent API use on either backend."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        on_disk = parsed.database and parsed.database != ":memory:"
+        file = Path(parsed.database).expanduser() if on_disk else None
+        if file is not None:
+            file.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(
             url,
             connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
@@ -70,7 +72,7 @@ def make_engine(url: str) -> Engine:
             max_overflow=32,
             json_serializer=json_dumps,
         )
-        _configure_sqlite(engine, _WriterLock(parsed.database))
+        _configure_sqlite(engine, _WriterLock(file))
         return engine
     return create_engine(
         url, pool_size=10, max_overflow=30, pool_pre_ping=True, json_serializer=json_dumps
@@ -86,13 +88,10 @@ class _WriterLock:
 
     POLL_S = 0.0005
 
-    def __init__(self, database: str | None) -> None:
+    def __init__(self, database: Path | None) -> None:
+        """`database`: the SQLite file; None (in memory) needs no lock between processes."""
         self._threads = threading.Lock()
-        self._path = (
-            Path(database).expanduser().with_name(Path(database).name + ".writer-lock")
-            if database and database != ":memory:"
-            else None
-        )
+        self._path = database.with_name(database.name + ".writer-lock") if database else None
         self._fd: int | None = None
 
     def acquire(self, timeout_s: float) -> bool:
@@ -150,14 +149,18 @@ def _configure_sqlite(engine: Engine, writer: _WriterLock) -> None:
             _release(conn)
             raise
 
-    def _release(conn: Any, *_: Any) -> None:
-        if conn.info.pop(_WRITE_OPTION, False):
+    def _free(info: dict[str, Any]) -> None:
+        """`info` is the pooled connection's: the same dict for a Connection and its record."""
+        if info.pop(_WRITE_OPTION, False):
             writer.release()
+
+    def _release(conn: Any, *_: Any) -> None:
+        _free(conn.info)
 
     def _release_record(_dbapi_conn: Any, record: Any, *_: Any) -> None:
         """A connection that leaves its transaction unfinished (invalidated) frees the lock."""
-        if record is not None and record.info.pop(_WRITE_OPTION, False):
-            writer.release()
+        if record is not None:
+            _free(record.info)
 
     event.listen(engine, "commit", _release)
     event.listen(engine, "rollback", _release)

@@ -53,9 +53,9 @@ def serve(
     configure_logging()
     db = _upgraded_database()
     settings = local_settings()
-    host, port = host or settings.host, port or settings.port
-    if (workers or settings.workers) > 1:
-        _serve_workers(settings, db, host, port, workers or settings.workers, reconciler)
+    host, port, workers = host or settings.host, port or settings.port, workers or settings.workers
+    if workers > 1:
+        _serve_workers(settings, db, host, port, workers, reconciler)
         return
     from supervisor.api.app import create_app
 

@@ -19,6 +19,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from megatron_runs.launch_local import free_port
 from supervisor import store
 from supervisor.api.examples import TINY_SPEC
 from supervisor.auth import Scope
@@ -30,14 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
 HEALTH_CHECKS = 40
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[str, str, psutil.Process]]:
     home = tmp_path / "home"
@@ -46,7 +39,7 @@ def server(tmp_path: Path) -> Iterator[tuple[str, str, psutil.Process]]:
     with db.write_session() as s:
         token = store.create_token(s, "ci", [Scope.SUBMIT])[1]
     db.dispose()
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ, "NIGHTWATCH_HOME": str(home), "NIGHTWATCH_PORT": str(port),
         "NIGHTWATCH_EXECUTOR": "local", "NIGHTWATCH_TICK_SECONDS": "60",
