@@ -143,6 +143,20 @@ def newest_complete(root: Path | str, at_most: int | None = None) -> CheckpointI
     return cands[-1] if cands else None
 
 
+def choose(root: Path | str, resume_step: int | None) -> CheckpointInfo | None:
+    """The checkpoint to resume from: the newest complete one, or with `resume_step` the
+    newest complete one at or before it (None: start from scratch).
+
+    `resume_step` is a bound, not only a name: a rollback asks for the newest checkpoint
+    before a fault's onset, and the attempt it stopped may have pruned that very one
+    (retention) before it died; any older one is also from before the onset.
+    `resume_step == 0` means start from scratch (a rollback past every checkpoint).
+    """
+    if resume_step == 0:
+        return None
+    return newest_complete(root, at_most=resume_step)
+
+
 def read_latest(root: Path | str) -> int | None:
     try:
         return int((Path(root) / LATEST_NAME).read_text().strip())

@@ -126,8 +126,10 @@ def save(
     loss: float | None,
     layout: dict[str, int],
     keep_last: int,
+    protect: set[int] | None = None,
 ) -> Path:
-    """Write to `.tmp_iter_*`, verify, rename, update `latest`, apply retention."""
+    """Write to `.tmp_iter_*`, verify, rename, update `latest`, apply retention (sparing the
+    steps in `protect`)."""
     _in_process_results_queue()
     rank = torch.distributed.get_rank()
     tmp = ck.tmp_dir(root, step)
@@ -143,7 +145,7 @@ def save(
         _fsync_tree(tmp)
         ck.write_meta(tmp, step, consumed_samples, loss, layout)
         ck.publish(root, step)
-        ck.retain(root, keep_last)
+        ck.retain(root, keep_last, protect)
     _barrier()
     return ck.step_dir(root, step)
 
@@ -156,22 +158,6 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-
-
-def choose(root: Path, resume_step: int | None) -> ck.CheckpointInfo | None:
-    """The checkpoint to load: exactly `resume_step`, else the newest complete one.
-
-    `resume_step == 0` means start from scratch (a rollback past every checkpoint).
-    """
-    if resume_step is None:
-        return ck.newest_complete(root)
-    if resume_step == 0:
-        return None
-    info = ck.read_info(ck.step_dir(root, resume_step))
-    if info is None or not info.complete:
-        why = "missing" if info is None else info.problem
-        raise FileNotFoundError(f"checkpoint for step {resume_step} in {root} unusable: {why}")
-    return info
 
 
 def load(model: list, optimizer: object, info: ck.CheckpointInfo) -> Loaded:

@@ -37,6 +37,7 @@ from megatron.core.optimizer import (  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
+from megatron_runs import checkpointing as ck  # noqa: E402
 from megatron_runs import dist_ckpt, exitcodes, replicas  # noqa: E402
 from megatron_runs.data import MicroBatch, TokenStream, build_microbatches, to_device  # noqa: E402
 from megatron_runs.data_prep import prepare  # noqa: E402
@@ -271,7 +272,12 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     optimizer = _build_optimizer(spec, model, bf16)
     faults = Faults.for_process(spec, ctx.node, rank, ctx.checkpoint_dir)
     current = [0]  # the step being computed, for the NaN-grad hook
-    _hook_finalize(config, model, faults, current)
+    # This node's exporter (local rank 0) reports whether its own gradients were finite
+    # before reduction: after the reduction every rank holds the NaN, and only this tells
+    # which node made it.
+    exports_node = ctx.metrics_port is not None and local_rank == 0
+    local_grads: list[torch.Tensor | None] = [None]
+    _hook_finalize(config, model, faults, current, local_grads if exports_node else None)
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
 
@@ -280,7 +286,10 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     root = Path(ctx.checkpoint_dir)
 
     step, cursor = 0, 0
-    info = dist_ckpt.choose(root, ctx.resume_step)
+    info = ck.choose(root, ctx.resume_step)
+    resumed_from = info.step if info is not None else None
+    if info is not None and ctx.resume_step and info.step != ctx.resume_step:
+        log("resume_step_unavailable", asked=ctx.resume_step, using=info.step)
     if info is not None:
         t0 = time.perf_counter()
         loaded = dist_ckpt.load(model, optimizer, info)
@@ -367,6 +376,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
                     step_time=wall,
                     node_step_time=busy,
                     mfu=flops_step / (wall * peak) if peak else 0.0,
+                    local_grads_finite=local_grads[0] is None or bool(local_grads[0]),
                 )
             )
         if step % t.log_interval == 0 or not ok:
@@ -390,8 +400,9 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         if step % spec.checkpoint.interval_steps == 0 or final:
             _finish_param_gather(model)
             _checkpoint(
-                spec, model, optimizer, root, step, cursor, loss, layout, metrics, faults, log
-            )
+                spec, model, optimizer, root, step, cursor, loss, layout, metrics, faults, log,
+                resumed_from,
+            )  # fmt: skip
         if stop_requested and step < target:  # a signal at the last step changes nothing
             log("stopping_on_signal", step=step, signal=int(signum))
             exit_code = exitcodes.REQUEUE
@@ -436,14 +447,25 @@ def _forward_step(data_iterator: object, model: object) -> tuple[torch.Tensor, C
     return per_token, loss_func
 
 
-def _hook_finalize(config: object, model: list, faults: Faults, current: list[int]) -> None:
-    """Grad reduction, with injected NaN grads on a sick node before they are reduced."""
+def _hook_finalize(
+    config: object,
+    model: list,
+    faults: Faults,
+    current: list[int],
+    local_grads: list[torch.Tensor | None] | None,
+) -> None:
+    """Grad reduction, with injected NaN grads on a sick node before they are reduced, and,
+    into `local_grads[0]` when given, whether this rank's own gradients were all finite
+    (a 0-d bool tensor, read with the step's other host syncs; one fp32 sum per buffer)."""
 
     def finalize(*args: object, **kwargs: object) -> None:
         if faults.nan_grads(current[0]):
             for chunk in model:
                 for buf in chunk.buffers:
                     buf.grad_data.view(-1)[0] = math.nan
+        if local_grads is not None:
+            sums = [b.grad_data.sum(dtype=torch.float32) for c in model for b in c.buffers]
+            local_grads[0] = torch.isfinite(torch.stack(sums).sum()) if sums else None
         finalize_model_grads(*args, **kwargs)
 
     config.finalize_model_grads_func = finalize
@@ -461,11 +483,15 @@ def _checkpoint(
     metrics: TrainMetrics | None,
     faults: Faults,
     log: _Log,
+    resumed_from: int | None,
 ) -> None:
+    """Save and apply retention, which spares the checkpoint this attempt resumed from: the
+    watchdog may be rolling back to it while this attempt, going bad, saves on."""
     t0 = time.perf_counter()
+    protect = {resumed_from} if resumed_from else set()
     try:
         path = dist_ckpt.save(
-            model, optimizer, root, step, cursor, loss, layout, spec.checkpoint.keep_last
+            model, optimizer, root, step, cursor, loss, layout, spec.checkpoint.keep_last, protect
         )
     except Exception as exc:  # a failed save is reported; the run goes on (retry next interval)
         if metrics is not None:

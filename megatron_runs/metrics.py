@@ -27,6 +27,7 @@ NODE_METRICS = {
     "step_time_seconds": ("gauge", "this node's last step wall time"),
     "step_time_window_avg_seconds": ("gauge", "mean step time over the last 16 steps"),
     "up": ("gauge", "1 while the training loop runs"),
+    "nonfinite_grads": ("counter", "steps whose local gradients were NaN/Inf before reduction"),
 }
 RUN_METRICS = {
     "target_steps": ("gauge", "train_steps of the spec"),
@@ -70,6 +71,7 @@ class StepReport:
     step_time: float
     node_step_time: float
     mfu: float
+    local_grads_finite: bool = True  # this node's own gradients, before reduction
 
 
 class TrainMetrics:
@@ -113,6 +115,8 @@ class TrainMetrics:
         self._times.append(r.node_step_time)
         m["step_time_seconds"].set(r.node_step_time)
         m["step_time_window_avg_seconds"].set(sum(self._times) / len(self._times))
+        if not r.local_grads_finite:
+            m["nonfinite_grads"].inc()
         if not self.run_level:
             return
         finite = math.isfinite(r.loss) and math.isfinite(r.grad_norm)

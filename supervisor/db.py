@@ -178,6 +178,13 @@ class Database:
         self._write = sessionmaker(
             self.engine.execution_options(**{_WRITE_OPTION: True}), expire_on_commit=False
         )
+        # PostgreSQL's READ COMMITTED gives each statement its own snapshot anyway, so a
+        # read-only request loses nothing without a transaction, and saves the BEGIN and
+        # ROLLBACK round trips (two of a GET's five). SQLite reads stay deferred transactions.
+        autocommit = {} if self.is_sqlite else {"isolation_level": "AUTOCOMMIT"}
+        self._request_read = sessionmaker(
+            self.engine.execution_options(**autocommit), expire_on_commit=False
+        )
 
     @property
     def is_sqlite(self) -> bool:
@@ -186,6 +193,11 @@ class Database:
     def session(self) -> Session:
         """A session for reads (deferred transaction on SQLite)."""
         return self._read()
+
+    def request_read_session(self) -> Session:
+        """A session for one API request that only reads (no transaction on PostgreSQL);
+        never write through it."""
+        return self._request_read()
 
     def write_session(self) -> Session:
         """A session whose transactions take the SQLite write lock up front."""

@@ -60,6 +60,7 @@ RUN_FIELDS: dict[str, str] = {
     "up": "nightwatch_train_up",
 }
 STEP_TIME = "nightwatch_train_step_time_window_avg_seconds"
+NONFINITE_GRADS = "nightwatch_train_nonfinite_grads_total"
 #: The run-level metrics come from the node that exports this one (global rank 0's).
 PRIMARY_MARKER = "nightwatch_train_loss"
 #: What the detectors need; PrometheusSource queries only these (one query each).
@@ -108,17 +109,34 @@ def build_sample(
     return MetricSample(t=t, step_time=dict(step_time), **fields)
 
 
+#: Earlier attempts' samples kept per run as a fresh attempt's loss baseline.
+PRIOR_SAMPLES = 256
+
+
+def _chain(
+    prior: Iterable[MetricSample], later: Sequence[MetricSample]
+) -> tuple[MetricSample, ...]:
+    """One step-ordered history: `prior` below `later`'s first step, then `later` (capped)."""
+    first = next((s.step for s in later if s.step is not None), None)
+    kept = [s for s in prior if first is None or (s.step is not None and s.step < first)]
+    return (*kept, *later)[-PRIOR_SAMPLES:]
+
+
 class SampleHistory:
     """Trailing window of samples per (run, attempt); the sources' only state.
 
     Why keep history at all: a scrape is a point, while the spike detector needs a window.
     Losing it (supervisor restart) only delays judgement: an empty window convicts nothing.
+    When a run moves to a new attempt, the old attempt's samples become that run's `prior`
+    (see `MetricsView.prior`), capped at PRIOR_SAMPLES.
     """
 
     def __init__(self, window_s: float, stale_after_s: float) -> None:
         self.window_s = window_s
         self.stale_after_s = stale_after_s
         self._samples: dict[RunKey, deque[MetricSample]] = {}
+        self._prior: dict[str, tuple[MetricSample, ...]] = {}
+        self._nonfinite_nodes: dict[RunKey, frozenset[str]] = {}
 
     def add(self, key: RunKey, sample: MetricSample) -> None:
         buf = self._samples.setdefault(key, deque())
@@ -127,6 +145,12 @@ class SampleHistory:
                 buf[-1] = sample
             return
         buf.append(sample)
+
+    def add_nonfinite_nodes(self, key: RunKey, nodes: Iterable[str]) -> None:
+        """Nodes seen with non-finite local gradients (a counter: once seen, kept)."""
+        nodes = frozenset(nodes)
+        if nodes:
+            self._nonfinite_nodes[key] = self._nonfinite_nodes.get(key, frozenset()) | nodes
 
     def view(self, key: RunKey, now: float, health: SourceHealth = SourceHealth.UP) -> MetricsView:
         """The key's window; UP only when the source answered and its newest sample is fresh."""
@@ -141,16 +165,42 @@ class SampleHistory:
         if now - samples[-1].t > self.stale_after_s:
             age = now - samples[-1].t
             return MetricsView(SourceHealth.STALE, samples, f"newest sample {age:.1f} s old")
-        return MetricsView(health=SourceHealth.UP, samples=samples)
+        return MetricsView(
+            SourceHealth.UP,
+            samples,
+            prior=self._prior_below(key[0], samples),
+            nonfinite_grad_nodes=tuple(sorted(self._nonfinite_nodes.get(key, ()))),
+        )
+
+    def _prior_below(
+        self, run_id: str, samples: tuple[MetricSample, ...]
+    ) -> tuple[MetricSample, ...]:
+        """Earlier attempts' samples at steps below this attempt's first (those above it were
+        rolled back or redone, and may be the very fault that caused the restart)."""
+        prior = self._prior.get(run_id)
+        if not prior:
+            return ()
+        first = next((s.step for s in samples if s.step is not None and s.last_step_ts), None)
+        if first is None:
+            return ()
+        return tuple(s for s in prior if s.step is not None and s.step < first)
 
     def newest(self) -> dict[RunKey, float]:
         """Time of the newest sample held per key (what a source need not rebuild)."""
         return {k: buf[-1].t for k, buf in self._samples.items() if buf}
 
     def forget_except(self, keys: Iterable[RunKey]) -> None:
-        keep = set(keys)
-        for key in [k for k in self._samples if k not in keep]:
-            del self._samples[key]
+        """Drop keys no longer watched; a run's superseded attempt becomes its prior."""
+        current = dict(keys)
+        for key in [k for k in self._nonfinite_nodes if current.get(k[0]) != k[1]]:
+            del self._nonfinite_nodes[key]
+        for key in [k for k in self._samples if current.get(k[0]) != k[1]]:
+            buf = self._samples.pop(key)
+            run_id, attempt = key
+            if current.get(run_id, 0) > attempt:
+                self._prior[run_id] = _chain(self._prior.get(run_id, ()), buf)
+        for run_id in [r for r in self._prior if r not in current]:
+            del self._prior[run_id]
 
 
 # --------------------------------------------------------------------------- Prometheus
@@ -166,17 +216,22 @@ class Series:
     points: tuple[tuple[float, float], ...]  # (unix time, value)
 
 
-def parse_matrix(payload: Mapping[str, Any]) -> list[Series]:
-    """Parse an /api/v1/query answer of resultType matrix (pure; tested on recorded JSON)."""
+def parse_series(payload: Mapping[str, Any]) -> list[Series]:
+    """Parse an /api/v1/query answer (pure; tested on recorded JSON): a matrix (range
+    selectors), or a vector (instant queries), whose series then hold one point each."""
     if payload.get("status") != "success":
         raise PrometheusUnavailable(f"query failed: {payload.get('error', payload)}")
     data = payload.get("data") or {}
-    if data.get("resultType") != "matrix":
-        raise PrometheusUnavailable(f"expected a matrix, got {data.get('resultType')}")
+    kind = data.get("resultType")
+    if kind not in ("matrix", "vector"):
+        raise PrometheusUnavailable(f"expected a matrix or a vector, got {kind}")
     return [
         Series(
             labels=item.get("metric", {}),
-            points=tuple((float(t), float(v)) for t, v in item.get("values", ())),
+            points=tuple(
+                (float(t), float(v))
+                for t, v in (item.get("values", ()) if kind == "matrix" else [item["value"]])
+            ),
         )
         for item in data.get("result", ())
     ]
@@ -303,7 +358,7 @@ class PrometheusSource:
             )
             if resp.status_code >= 500:
                 raise PrometheusUnavailable(f"HTTP {resp.status_code}")
-            return parse_matrix(resp.json())
+            return parse_series(resp.json())
 
         return once()
 
@@ -314,9 +369,12 @@ class PrometheusSource:
             since = now - self.history.window_s
         span = max(1, math.ceil(now - since + 1))  # overlap one second; duplicates are dropped
         names = [RUN_FIELDS[f] for f in QUERIED_FIELDS] + [STEP_TIME]
+        # Only the nodes whose counter moved: an instant query with a filter answers with
+        # nothing on a healthy fleet, where a range query would list every node.
+        queries = [f"{n}[{span}s]" for n in names] + [f"{NONFINITE_GRADS} > 0"]
         try:
             with ThreadPoolExecutor(self._parallel) as pool:
-                results = list(pool.map(lambda n: self._query(f"{n}[{span}s]", now), names))
+                *results, nonfinite = pool.map(lambda q: self._query(q, now), queries)
         except (httpx.HTTPError, PrometheusUnavailable, ValueError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.warning(f"prometheus query failed: {self.last_error}")
@@ -329,6 +387,11 @@ class PrometheusSource:
                 self._scraped_by_prometheus.add(key)
             for s in samples:
                 self.history.add(key, s)
+        wanted = set(keys)
+        for series in nonfinite:
+            key = _key(series.labels, wanted)
+            if key is not None:
+                self.history.add_nonfinite_nodes(key, [series.labels.get("node", "")])
         self._scraped_by_prometheus &= set(keys)
         self._bridge([k for k in keys if k not in self._scraped_by_prometheus], now)
         self.history.forget_except(keys)
@@ -340,6 +403,7 @@ class PrometheusSource:
         for key, view in self.bridge.collect(unseen, now).items():
             if view.health is SourceHealth.UP:
                 self.history.add(key, view.samples[-1])
+                self.history.add_nonfinite_nodes(key, view.nonfinite_grad_nodes)
 
 
 def loss_history(
@@ -361,7 +425,7 @@ def loss_history(
                 f"{url.rstrip('/')}/api/v1/query",
                 params={"query": f'{name}{{run_id="{run_id}"}}[{span}s]'},
             ).json()
-            parse_matrix(payload)  # raises PrometheusUnavailable on an error answer
+            parse_series(payload)  # raises PrometheusUnavailable on an error answer
             matrices.append(payload["data"]["result"])
     except (httpx.HTTPError, PrometheusUnavailable, ValueError) as exc:
         log.warning(f"loss history of {run_id} unavailable: {type(exc).__name__}: {exc}")
@@ -452,6 +516,9 @@ class ScrapeSource:
             primary = next((v for _, v in ok if PRIMARY_MARKER in v), ok[0][1])
             step_time = {tg.node: v[STEP_TIME] for tg, v in ok if STEP_TIME in v}
             self.history.add(key, build_sample(t, primary, step_time))
+            self.history.add_nonfinite_nodes(
+                key, (tg.node for tg, v in ok if v.get(NONFINITE_GRADS, 0) > 0)
+            )
         self.history.forget_except(keys)
         return {
             k: self.history.view(k, now, SourceHealth.DOWN if k in failed else SourceHealth.UP)

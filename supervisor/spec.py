@@ -151,6 +151,12 @@ class RecoverySpec(_Strict):
         "(Megatron's rule): a 1-2 step spike must not slip under the sustain window.",
     )
     grad_norm_max: float = Field(default=10.0, gt=0, description="Sustained norm above → alarm.")
+    nan_attribution_wait_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="How long NaN gradients with a finite loss wait for the nodes' own "
+        "counters to name the node that made them (at least one scrape interval).",
+    )
     throughput_drop_ratio: float = Field(default=0.5, gt=0, lt=1)
     straggler_ratio: float = Field(default=1.5, gt=1, description="Node step time / median.")
     hang_factor: float = Field(default=10.0, gt=1, description="× median step time.")

@@ -110,12 +110,35 @@ def create_run(
     created_by: str | None = None,
     idempotency_key: str | None = None,
 ) -> tuple[Run, bool]:
-    """Persist a new pending run; returns (run, created).
+    """Persist a new pending run in a transaction of its own; returns (run, created).
+
+    See `add_run`; the API batches its submissions through `supervisor.api.submissions`."""
+    try:
+        run, created = add_run(
+            session, spec, created_by=created_by, idempotency_key=idempotency_key
+        )
+        session.commit()  # also ends a replay's read: a write session holds the write lock
+    except BaseException:
+        session.rollback()
+        raise
+    return run, created
+
+
+def add_run(
+    session: Session,
+    spec: RunSpec,
+    *,
+    created_by: str | None = None,
+    idempotency_key: str | None = None,
+) -> tuple[Run, bool]:
+    """Add a new pending run to the session's transaction (the caller commits); returns
+    (run, created).
 
     With an idempotency key, a retry of the same request returns the first run (created False)
     and the same key with another spec raises IdempotencyConflict. The insert goes first and
-    the unique index decides (one transaction for a new key, and no check-then-insert race):
-    a retry, concurrent or not, rolls back and reads the winner.
+    the unique index decides (no check-then-insert race): a retry, concurrent or not, rolls
+    back its savepoint and reads the winner, so one bad item leaves the rest of a batched
+    transaction alone.
     """
     digest = spec_hash(spec)
     run = Run(
@@ -132,15 +155,14 @@ def create_run(
         excluded_nodes_json=list(spec.resources.exclude),
         target_steps=spec.training.train_steps,
     )
-    session.add(run)
     try:
-        session.flush()
-        _event(session, run.id, EventKind.STATE_CHANGE, "run created (pending)", to="pending")
-        session.commit()
+        with session.begin_nested():
+            session.add(run)
+            session.flush()
+            _event(session, run.id, EventKind.STATE_CHANGE, "run created (pending)", to="pending")
+            session.flush()
     except IntegrityError:
-        session.rollback()
         existing = _run_by_key(session, idempotency_key) if idempotency_key else None
-        session.commit()  # end the read: on SQLite a write session holds the write lock
         if existing is None:
             raise
         return _replay(existing, digest), False

@@ -28,8 +28,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from benchmarks.soak.progress import Progress, final_trajectory, mean_loss, time_to_step
-from benchmarks.soak.schedule import CURES, INFRA_FAULTS, ScheduledFault
+from benchmarks.soak.progress import (
+    Progress,
+    StepEvent,
+    final_trajectory,
+    mean_loss,
+    time_to_step,
+)
+from benchmarks.soak.schedule import CURES, INFRA_FAULTS, FaultKind, ScheduledFault
 
 
 @dataclass(frozen=True)
@@ -91,11 +97,27 @@ class SystemScore:
 
 
 def fault_time(inj: Injection, progress: Progress) -> float | None:
-    """External faults: injection time; spec-side faults: start of the faulty step."""
+    """External faults: injection time; spec-side faults: start of the faulty step.
+
+    A NaN node's fault is armed from its step on but fires only where the job runs on that
+    node (a restart may well land elsewhere first): its time is the start of the first step
+    at or past it whose update the trainer threw away."""
     if not inj.fault.spec_side:
         return inj.t
+    if inj.fault.kind is FaultKind.NAN_NODE:
+        first = next((e for e in progress.steps if e.step >= inj.fault.at_step and e.bad), None)
+        return _step_start(progress, first) if first is not None else None
     before = progress.first_reaching(max(0, inj.fault.at_step - 1))
     return before.t if before is not None else None
+
+
+def _step_start(progress: Progress, event: StepEvent) -> float:
+    """When `event`'s step began: the previous step's end in its process group, else its
+    group's start."""
+    earlier = [
+        e.t for e in progress.steps if e.incarnation == event.incarnation and e.t < event.t
+    ] + [s.t for s in progress.starts if s.incarnation == event.incarnation and s.t <= event.t]
+    return max(earlier, default=event.t)
 
 
 def score_fault(

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from supervisor.api import errors
 from supervisor.api.principals import PrincipalCache
 from supervisor.api.routes import health, report, runs, specs, workers
+from supervisor.api.submissions import SubmissionWriter
 from supervisor.db import Database
 from supervisor.metrics import SupervisorMetrics
 from supervisor.prometheus import loss_history
@@ -45,9 +46,12 @@ def create_app(
     and /metrics merges the metric files there."""
     db = database or Database(settings.db_url)
 
+    submissions = SubmissionWriter(db)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        submissions.close()
         if database is None:
             db.dispose()
 
@@ -59,6 +63,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.db = db
+    app.state.submissions = submissions
     app.state.registry = registry or CollectorRegistry()
     app.state.metrics_dir = metrics_dir
     app.state.metrics = SupervisorMetrics(app.state.registry)

@@ -31,7 +31,7 @@ DatabaseDep = Annotated[Database, Depends(get_database)]
 # SQLite write lock (or a pooled connection), the request holding it can never release it.
 # An async teardown runs on the event loop; closing a session is a quick rollback.
 async def get_session(db: DatabaseDep) -> AsyncIterator[Session]:
-    session = db.session()
+    session = db.request_read_session()
     try:
         yield session
     finally:

@@ -112,23 +112,49 @@ def detect_nonfinite(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     onset = _onset_fields(healthy, bad)
     if healthy is None:
         onset["first_bad_step"] = _counted_onset(bad)
+    # A finite loss with non-finite grads: the forward pass on the data was fine, the
+    # backward pass of some node was not.
+    grads_only = _finite(bad.loss)
+    nodes = _nodes_that_made_nan(snap) if grads_only else ()
+    if (
+        grads_only
+        and not nodes
+        and len(snap.job.nodes) > 1
+        and snap.now - bad.t < rc.nan_attribution_wait_seconds
+    ):
+        return []  # each node's counter is scraped on its own: it may be a scrape behind
+    after = f"after step {healthy.step if healthy else '?'}"
     return [
         Finding(
             kind=FindingKind.NONFINITE,
-            summary=f"non-finite loss/grad norm after step {healthy.step if healthy else '?'}",
-            cause=Cause.DATA,
+            summary=(
+                f"non-finite gradients from {', '.join(nodes)} {after}"
+                if nodes
+                else f"non-finite loss/grad norm {after}"
+            ),
+            cause=Cause.NODE if nodes else Cause.DATA,
+            nodes=nodes,
             evidence={
                 "nonfinite_steps_total": latest.nonfinite_total,
                 "loss": _json_float(latest.loss),
                 "grad_norm": _json_float(latest.grad_norm),
                 "first_bad_at": bad.t,
-                # A finite loss with non-finite grads: the forward pass on the data was fine,
-                # the backward pass of some node was not (the policy's node suspicion).
-                "grads_only": _finite(bad.loss),
+                "grads_only": grads_only,
+                "nonfinite_grad_nodes": list(snap.metrics.nonfinite_grad_nodes),
             },
             **onset,  # type: ignore[arg-type]
         )
     ]
+
+
+def _nodes_that_made_nan(snap: Snapshot) -> tuple[str, ...]:
+    """The attempt's nodes whose own gradients went non-finite, when that singles some out:
+    bad data on every node (or a one-node job) says nothing about any node."""
+    named = set(snap.metrics.nonfinite_grad_nodes)
+    attempt = set(snap.job.nodes)
+    if named and named < attempt:
+        return tuple(sorted(named))
+    return ()
 
 
 def _counted_onset(bad: MetricSample) -> int | None:
@@ -199,10 +225,16 @@ def detect_loss_spike(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     above everything in the trailing window (see `_hard_spike`)."""
     if not _metrics_ok(snap):
         return []
-    points = [p for p in by_step(snap.metrics.samples) if _finite(p.loss)]
+    own = [p for p in by_step(snap.metrics.samples) if _finite(p.loss)]
+    if not own:
+        return []
+    resumed_at = own[0].step or 0
+    prior = [p for p in by_step(snap.metrics.prior) if _finite(p.loss) and p.step < resumed_at]  # type: ignore[operator]
+    points = prior + own
     if len(points) <= MIN_BASELINE_SAMPLES:
         return []
-    finding = _sustained_spike(points, rc) or _hard_spike(points, rc)
+    first_own = len(prior)  # only this attempt's steps can convict: the prior is a baseline
+    finding = _sustained_spike(points, rc, first_own) or _hard_spike(points, rc, first_own)
     return [finding] if finding is not None else []
 
 
@@ -211,7 +243,9 @@ def _window_max(p: MetricSample) -> float:
     return p.loss_window_max if _finite(p.loss_window_max) else p.loss  # type: ignore[return-value]
 
 
-def _sustained_spike(points: Sequence[MetricSample], rc: RecoverySpec) -> Finding | None:
+def _sustained_spike(
+    points: Sequence[MetricSample], rc: RecoverySpec, first_own: int = 0
+) -> Finding | None:
     """Loss above a robust baseline (median/MAD of the trailing window AND ratio × median),
     sustained for `loss_spike_sustain_steps` distinct steps, still high at the last sample."""
     window = _baseline(points, len(points), rc)
@@ -233,7 +267,7 @@ def _sustained_spike(points: Sequence[MetricSample], rc: RecoverySpec) -> Findin
         return None
     thr, med, mad = spike_threshold([p.loss for p in baseline], rc)  # type: ignore[misc]
     start = _trailing_episode(points, high(thr))
-    if start is None or start == 0:
+    if start is None or start == 0 or start < first_own:
         return None
     healthy, episode = points[start - 1], points[start:]
     steps = _elevated_steps(episode, thr, healthy.step or 0)
@@ -260,14 +294,16 @@ def _sustained_spike(points: Sequence[MetricSample], rc: RecoverySpec) -> Findin
     )
 
 
-def _hard_spike(points: Sequence[MetricSample], rc: RecoverySpec) -> Finding | None:
+def _hard_spike(
+    points: Sequence[MetricSample], rc: RecoverySpec, first_own: int = 0
+) -> Finding | None:
     """Megatron's rule: a loss above `loss_spike_hard_factor` × the max of the trailing window
     is a spike at once. A 1-2 step spike is over before any sustain window fills, yet it is
     what a poisoned batch looks like. Unlike a sustained spike it is reported even once it has
     passed: with fast steps it may be visible in one scrape only, and the bad batch it marks is
     still worth skipping (Megatron acts on it too)."""
     latest = points[-1]
-    for i in range(MIN_BASELINE_SAMPLES, len(points)):
+    for i in range(max(MIN_BASELINE_SAMPLES, first_own), len(points)):
         baseline = _baseline(points, i, rc)
         ref = max(p.loss for p in baseline)  # type: ignore[type-var]
         thr = rc.loss_spike_hard_factor * ref  # type: ignore[operator]

@@ -138,7 +138,12 @@ def node_suspects(finding: Finding, prior: Sequence[PastRemedy], history: RunHis
 
 
 def _exclude(
-    nodes: Sequence[str], finding: Finding, history: RunHistory, rc: RecoverySpec, why: str
+    nodes: Sequence[str],
+    finding: Finding,
+    history: RunHistory,
+    rc: RecoverySpec,
+    why: str,
+    to_step: int | None = None,
 ) -> Remedy:
     if history.attempt_nodes:  # a name SLURM does not know makes every resubmission fail
         nodes = [n for n in nodes if n in history.attempt_nodes]
@@ -166,6 +171,7 @@ def _exclude(
         finding=finding,
         suspect=Cause.NODE,
         exclude_nodes=tuple(nodes),
+        to_step=to_step,
     )
 
 
@@ -233,11 +239,17 @@ def _rollback(
 
 
 def _adjoins_skips(finding: Finding, remedies: Sequence[PastRemedy], global_batch: int) -> bool:
-    """The new bad window starts where an earlier skip ended: the bad data runs on."""
+    """The new bad window reaches past the end of an earlier skip, from inside or right
+    after it: the bad data runs on. (Its start may lie before the skip: the last healthy
+    sample can be one from before the resume point, whose window spans the skip.)"""
     if finding.sample_window is None:
         return False
-    lo, _ = finding.sample_window
-    return any(s_lo <= lo <= s_hi + global_batch for r in remedies for s_lo, s_hi in r.skip_ranges)
+    lo, hi = finding.sample_window
+    return any(
+        lo <= s_hi + global_batch and hi > s_hi and s_lo < hi
+        for r in remedies
+        for s_lo, s_hi in r.skip_ranges
+    )
 
 
 def _numeric(
@@ -247,6 +259,17 @@ def _numeric(
     rc: RecoverySpec,
     global_batch: int,
 ) -> Remedy:
+    if finding.cause is Cause.NODE and finding.nodes:
+        # Named by the node's own gradients: exclude it at once, and resume from before
+        # the onset (a bf16 optimizer without a found-inf check may have applied the NaN).
+        return _exclude(
+            [n for n in finding.nodes if n not in history.excluded_nodes],
+            finding,
+            history,
+            rc,
+            finding.summary,
+            to_step=rollback_target(finding, history),
+        )
     if not prior:
         return _rollback(finding, history, rc, global_batch, f"{finding.kind.value}")
     last = prior[-1]
@@ -287,6 +310,17 @@ def _numeric(
             why = f"{trailing} rollbacks did not cure {finding.kind.value}: suspect a node"
         else:
             why = f"{finding.kind.value} recurred at other data after a rollback: suspect a node"
+            if not node_suspects(finding, prior, history):
+                if trailing < rc.max_rollbacks_per_incident:
+                    # No node was in every faulty attempt: not a node's doing, a new window.
+                    return _rollback(
+                        finding,
+                        history,
+                        rc,
+                        global_batch,
+                        f"{finding.kind.value} at other data on other nodes",
+                    )
+                why = f"{trailing} rollbacks did not cure {finding.kind.value} on any node"
         return _node_ladder(finding, prior, history, rc, why)
     if last.kind is RemedyKind.EXCLUDE_NODE:
         faulty = [r for r in prior if r.attempt_nodes]
@@ -383,7 +417,7 @@ def decide(
         if r.finding_kind is not None and r.finding_kind in family(kind)
     ]
     if kind in NUMERIC_FAULTS:
-        return _numeric(finding, prior, history, rc, snap.global_batch_size)
+        return _numeric(finding, _since_pinned(prior), history, rc, snap.global_batch_size)
     if kind in (FindingKind.STRAGGLER, FindingKind.JOB_NODE_FAIL):
         if finding.nodes:
             return _exclude(
@@ -395,6 +429,15 @@ def decide(
             )
         return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
     return _restart_then_nodes(finding, prior, history, rc)
+
+
+def _since_pinned(prior: Sequence[PastRemedy]) -> list[PastRemedy]:
+    """Remedies after the last exclusion of a node its own evidence named: that fault was
+    explained and cured, so a numeric fault after it starts a ladder of its own."""
+    for i in range(len(prior) - 1, -1, -1):
+        if prior[i].kind is RemedyKind.EXCLUDE_NODE and prior[i].finding_nodes:
+            return list(prior[i + 1 :])
+    return list(prior)
 
 
 def _sources_up(snap: Snapshot) -> bool:

@@ -83,11 +83,20 @@ class MetricSample:
 
 @dataclass(frozen=True, slots=True)
 class MetricsView:
-    """The trailing window of one attempt's samples, oldest first, with the source's health."""
+    """The trailing window of one attempt's samples, oldest first, with the source's health.
+
+    `prior` holds the run's earlier attempts' samples below this attempt's first step: the
+    loss baseline a fresh attempt would otherwise lack for its first scrapes, which is when
+    a fault soon after a restart (a poisoned window near the resume point) must be judged."""
 
     health: SourceHealth
     samples: tuple[MetricSample, ...] = ()
     error: str | None = None
+    prior: tuple[MetricSample, ...] = ()
+    #: Nodes whose own gradients went non-finite before reduction in this attempt (each
+    #: node's `nightwatch_train_nonfinite_grads_total`): after the reduction every rank holds
+    #: the NaN, so only this says which node made it.
+    nonfinite_grad_nodes: tuple[str, ...] = ()
 
     @property
     def latest(self) -> MetricSample | None:

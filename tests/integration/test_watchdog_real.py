@@ -10,6 +10,7 @@ printed (`pytest -s`).
 from __future__ import annotations
 
 import math
+import statistics
 import subprocess
 import time
 from typing import Any
@@ -50,6 +51,13 @@ def _records(stack: Stack, run_id: str) -> tuple[Run, list[Incident], dict[int, 
         db.dispose()
     assert run is not None
     return run, list(incidents), {c.step: c.loss for c in ckpts}
+
+
+def _mean_loss(losses: dict[int, float | None], lo: int, hi: int) -> float:
+    """Mean of the checkpoint losses at steps lo..hi, all finite."""
+    window = [loss for step, loss in losses.items() if lo <= step <= hi]
+    assert window and all(v is not None and math.isfinite(v) for v in window), (lo, hi, losses)
+    return statistics.fmean(window)  # type: ignore[arg-type]
 
 
 def _report_timing(what: str, incident: Incident) -> None:
@@ -95,11 +103,14 @@ def test_poisoned_window_is_rolled_back_and_skipped(stack: Stack) -> None:
     # Rolled back to a checkpoint before the onset, and the skip covers the poisoned window.
     assert run.resume_step is not None and run.resume_step * BATCH <= poison[0]
     assert any(lo <= poison[0] and hi >= poison[1] for lo, hi in run.skip_ranges_json)
-    first, before, final = losses[10], losses[run.resume_step], losses[steps]
-    assert first is not None and before is not None and final is not None
-    # The curve continues the pre-fault trend: below where training started, and no worse than
-    # the loss at the rollback point beyond batch-to-batch noise (the poison put it at ~20×).
-    assert math.isfinite(final) and final < first and final < 1.15 * before, losses
+    # The curve continues the pre-fault trend. A checkpoint's loss is one batch of 8: its
+    # noise (σ ≈ 0.45 here) is ~10 % of the loss, so compare means of six checkpoints each:
+    # the last 50 steps against the 50 up to the rollback point and against the first 30
+    # steps (the poison put single losses at ~35×).
+    start = _mean_loss(losses, 10, 30)
+    before = _mean_loss(losses, run.resume_step - 50, run.resume_step)
+    final = _mean_loss(losses, steps - 50, steps)
+    assert final < start and final < 1.15 * before, (start, before, final, sorted(losses.items()))
     _report_timing("poisoned data window", incident)
 
 

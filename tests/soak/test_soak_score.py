@@ -125,3 +125,27 @@ def test_infra_fault_right_action_is_no_remedy_and_untriggered_is_reported() -> 
     assert prom_score.detected and not prom_score.right_action  # a remedy while Prometheus was down
     assert s.false_positives == 1
     assert not never_score.triggered and never_score.note == "not triggered"
+
+
+def test_nan_node_fault_counts_from_when_the_job_first_ran_on_the_node() -> None:
+    """Armed at step 30, but the job ran elsewhere until a later restart put it on the sick
+    node at t=120, where step 61's update was thrown away: the fault's window starts there,
+    so the exclusion decided at t=125 is its cure, not a remedy of some earlier fault."""
+    p = run([(0, 0, 60, "1/1"), (120, 60, 100, "2/2")])
+    for i, e in enumerate(p.steps):
+        if e.incarnation == "2/2" and e.step in (61, 62):
+            p.steps[i] = StepEvent(e.t, e.step, e.loss, e.incarnation, skipped_update=True)
+    nan = Injection(ScheduledFault(FaultKind.NAN_NODE, 30, {"node": "n1"}), None)
+    s = score_system(
+        "nightwatch", injections=[nan], progress=p, remedies=[Remedy(125.0, "exclude_node")],
+        escalations=0, submit_t=0.0, end_t=200.0, target_steps=100, reference=REF,
+        reference_submit_t=0.0,
+    )  # fmt: skip
+    (score,) = s.faults
+    assert score.fault_t == 120 and score.detection_latency_s == 5
+    assert score.right_action and s.false_positives == 0
+    clean = score_system(
+        "nightwatch", injections=[nan], progress=REF, remedies=[], escalations=0,
+        submit_t=0.0, end_t=101.0, target_steps=100, reference=REF, reference_submit_t=0.0,
+    )  # fmt: skip
+    assert not clean.faults[0].triggered

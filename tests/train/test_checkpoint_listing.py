@@ -85,3 +85,18 @@ def test_retention_keeps_last_complete_and_drops_stale(tmp_path: Path) -> None:
 
 def test_list_of_missing_dir_is_empty(tmp_path: Path) -> None:
     assert ck.list_checkpoints(tmp_path / "nope") == []
+
+
+def test_resumed_from_survives_retention_and_resume_step_is_a_bound(tmp_path: Path) -> None:
+    """An attempt resumed from 10 keeps it while it saves on (the watchdog may be rolling
+    back to it); a resume step whose checkpoint was pruned anyway gets the newest before it,
+    which is also from before the fault's onset."""
+    for step in (10, 20, 30, 40):
+        _fake_ckpt(tmp_path, step)
+    ck.retain(tmp_path, keep_last=2, protect={10})
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [10, 30, 40]
+    assert ck.choose(tmp_path, None).step == 40  # type: ignore[union-attr]
+    assert ck.choose(tmp_path, 30).step == 30  # type: ignore[union-attr]
+    assert ck.choose(tmp_path, 25).step == 10  # type: ignore[union-attr]
+    assert ck.choose(tmp_path, 5) is None
+    assert ck.choose(tmp_path, 0) is None

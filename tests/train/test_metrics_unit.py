@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def test_other_nodes_export_only_node_series() -> None:
     assert set(v) == set(metric_names(run_level=False))
     assert v["nightwatch_train_step_time_seconds"] == 0.4
     assert v["nightwatch_train_up"] == 1
+    assert v["nightwatch_train_nonfinite_grads_total"] == 0
+    m.on_step(dataclasses.replace(_report(6, 2.0), local_grads_finite=False))
+    assert _values(m)["nightwatch_train_nonfinite_grads_total"] == 1
 
 
 def test_endpoint_serves_on_loopback_ephemeral_port() -> None:

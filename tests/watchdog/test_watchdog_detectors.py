@@ -30,6 +30,7 @@ from supervisor.watchdog.snapshot import (
     CheckpointRef,
     FindingKind,
     JobState,
+    MetricSample,
     RunHistory,
     SourceHealth,
 )
@@ -92,6 +93,38 @@ def test_nonfinite_found_once_and_onset_bounded(rc: RecoverySpec) -> None:
     assert f.last_healthy_step == 148 and f.first_bad_step == 152
     assert f.sample_window == (148 * GLOBAL_BATCH, 152 * GLOBAL_BATCH)
     assert f.evidence["loss"] == "nan"
+
+
+def test_nan_grads_are_pinned_on_the_node_whose_own_gradients_went_bad(
+    rc: RecoverySpec,
+) -> None:
+    """n2's counter of non-finite local gradients names it; the loss stayed finite. Bad data
+    (every node's gradients) or a one-node job names no node: a data finding as before."""
+    samples = simulate(1, steps=300, faults=Faults(nan_from=150, nan_grads_only=True))
+    upto = [s for s in samples if (s.step or 0) <= 152]
+    (f,) = detect_nonfinite(snapshot(upto, nonfinite_grad_nodes=("n2",)), rc)
+    assert f.nodes == ("n2",) and f.cause is Cause.NODE and f.evidence["grads_only"]
+    assert f.last_healthy_step is not None and f.last_healthy_step < 150
+    everyone = snapshot(upto, nonfinite_grad_nodes=("n1", "n2", "n3"))
+    (g,) = detect_nonfinite(dataclasses.replace(everyone, now=upto[-1].t + 60), rc)
+    assert g.nodes == () and g.cause is Cause.DATA
+    alone = snapshot(upto, nodes=("n2",), nonfinite_grad_nodes=("n2",))
+    (h,) = detect_nonfinite(alone, rc)
+    assert h.nodes == () and h.cause is Cause.DATA
+
+
+def test_nan_grads_wait_a_scrape_for_their_node_then_act_without_it(rc: RecoverySpec) -> None:
+    """Each node's counter is scraped on its own schedule, so the node may be named a scrape
+    after the primary shows the NaN: a grads-only NaN waits up to the attribution wait."""
+    samples = simulate(1, steps=300, faults=Faults(nan_from=150, nan_grads_only=True))
+    upto = [s for s in samples if (s.step or 0) <= 152]
+    first_bad = next(s for s in upto if s.nonfinite_total)
+    young = snapshot(upto, now=first_bad.t + 1.0)
+    assert detect_nonfinite(young, rc) == []
+    (f,) = detect_nonfinite(snapshot(upto, now=first_bad.t + rc.nan_attribution_wait_seconds), rc)
+    assert f.cause is Cause.DATA and f.nodes == ()
+    eager = rc.model_copy(update={"nan_attribution_wait_seconds": 0.0})
+    assert len(detect_nonfinite(young, eager)) == 1
 
 
 def test_nonfinite_before_the_first_scrape_is_dated_by_the_counter(rc: RecoverySpec) -> None:
@@ -283,6 +316,45 @@ def test_short_spike_far_above_the_trailing_max_is_found_without_sustain(
         (late,) = detect_loss_spike(snapshot(later), rc)
         assert late.evidence["rule"] == "hard_factor" and late.first_bad_step is not None
         assert late.last_healthy_step < 200 <= late.first_bad_step
+
+
+def _split_at_restart(
+    samples: list[MetricSample], resume: int, restart: int
+) -> tuple[list[MetricSample], list[MetricSample]]:
+    """(the previous attempt's samples up to step `restart`, the new attempt's from `resume`)."""
+    prior = [s for s in samples if (s.step or 0) <= restart]
+    return prior, [s for s in samples if (s.step or 0) > resume]
+
+
+def test_spike_right_after_a_restart_is_judged_against_the_previous_attempt(
+    rc: RecoverySpec,
+) -> None:
+    """The short soak's miss: a poisoned window a few steps into a fresh attempt. The
+    attempt's own scrapes are too few for a baseline, so the previous attempt's samples below
+    the resume point serve as one; the onset is still bounded by a healthy sample."""
+    for seed in range(10):
+        samples = simulate(seed, steps=300, faults=Faults(spike_steps=(110, 160)))
+        prior, own = _split_at_restart(samples, resume=100, restart=104)
+        own = [s for s in own if (s.step or 0) <= 116]
+        assert detect_loss_spike(snapshot(own), rc) == [], seed
+        (f,) = detect_loss_spike(snapshot(own, prior=prior), rc)
+        assert f.last_healthy_step is not None and f.first_bad_step is not None
+        assert f.last_healthy_step < 110 <= f.first_bad_step, seed
+
+
+def test_previous_attempt_only_lends_a_baseline(rc: RecoverySpec) -> None:
+    """Healthy fresh attempts stay quiet with the prior attached, and a spike that lies only
+    in the prior (the fault the restart was for) convicts nothing in the new attempt."""
+    for seed in range(30):
+        samples = simulate(seed, steps=300, steps_per_sample=3)
+        prior, own = _split_at_restart(samples, resume=150, restart=158)
+        for end in range(1, len(own), 4):
+            assert detect_all(snapshot(own[:end], prior=prior), rc) == [], (seed, end)
+    spiked = simulate(4, steps=300, faults=Faults(spike_steps=(140, 150), spike_factor=30.0))
+    prior, own = _split_at_restart(spiked, resume=100, restart=150)
+    healthy = simulate(4, steps=300)
+    own = [s for s in healthy if 150 < (s.step or 0) <= 170]
+    assert detect_loss_spike(snapshot(own, prior=prior), rc) == []
 
 
 def test_fresh_attempt_exporting_checkpoint_zero_is_not_a_stall(rc: RecoverySpec) -> None:

@@ -91,6 +91,13 @@ def test_bad_data_running_past_the_skip_extends_it_then_suspects_node(rc: Recove
     r = decide(snap_at(253), [cont], hist, rc)
     # The bad data outran a 32-sample skip: skip at least twice that from where it resumes.
     assert r.kind is RemedyKind.ROLLBACK and r.skip_ranges == ((2032, 2032 + 64),)
+    # Seen first right after the resume, the window starts at a healthy sample from before
+    # the skip and spans it: the same bad data running on, not other data.
+    spanning = dataclasses.replace(cont, sample_window=(2016, 2048))
+    r_span = decide(snap_at(253), [spanning], hist, rc)
+    assert r_span.kind is RemedyKind.ROLLBACK and r_span.skip_ranges == ((2016, 2016 + 64),)
+    before = dataclasses.replace(cont, sample_window=(1900, 1990))
+    assert decide(snap_at(253), [before], hist, rc).kind is RemedyKind.EXCLUDE_NODE
     # Budget of rollbacks per incident (2) spent: suspect a node of every faulty attempt.
     second = past(
         RemedyKind.ROLLBACK,
@@ -372,3 +379,54 @@ def test_nan_grads_recurring_right_after_their_skipped_window_suspect_a_node(
     assert r.suspect is Cause.NODE
     bad_loss = dataclasses.replace(recur, evidence={"grads_only": False})
     assert decide(snap_at(251), [bad_loss], hist, rc).kind is RemedyKind.ROLLBACK
+
+
+def test_nan_pinned_on_a_node_excludes_it_at_once_and_resumes_before_the_onset(
+    rc: RecoverySpec,
+) -> None:
+    pinned = dataclasses.replace(nan_at(250, 254), cause=Cause.NODE, nodes=("n2",))
+    r = decide(snap_at(255), [pinned], RunHistory(checkpoints=CKPTS, attempt_nodes=NODES), rc)
+    assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n2",)
+    assert r.suspect is Cause.NODE and r.to_step == 200
+
+
+def test_a_numeric_fault_after_a_pinned_node_was_excluded_starts_its_own_ladder(
+    rc: RecoverySpec,
+) -> None:
+    """The short soak's escalation: a NaN node excluded, then a poisoned window on the new
+    nodes. The node explained the NaN; the spike is new data: rollback, not a node hunt."""
+    excl = past(
+        RemedyKind.EXCLUDE_NODE,
+        FindingKind.NONFINITE,
+        step=120,
+        excluded=("n1",),
+        attempt_nodes=("n1", "n2"),
+        finding_nodes=("n1",),
+    )
+    hist = RunHistory(
+        remedies=(excl,),
+        excluded_nodes=frozenset({"n1"}),
+        checkpoints=CKPTS,
+        attempt_nodes=("n2", "n3"),
+    )
+    spike = dataclasses.replace(nan_at(250, 254), kind=FindingKind.LOSS_SPIKE)
+    r = decide(snap_at(255), [spike], hist, rc)
+    assert r.kind is RemedyKind.ROLLBACK and r.suspect is Cause.DATA
+
+
+def test_recurrence_on_disjoint_nodes_is_a_new_bad_window(rc: RecoverySpec) -> None:
+    """After a rollback, a numeric fault at other data on nodes the faulty attempt did not
+    use: no node was in both, so it is data again (rollback), until the rollbacks run out."""
+    first = past(
+        RemedyKind.ROLLBACK,
+        FindingKind.NONFINITE,
+        step=254,
+        skip_ranges=((2000, 2032),),
+        attempt_nodes=("n3", "n4"),
+    )
+    hist = RunHistory(remedies=(first,), checkpoints=CKPTS, attempt_nodes=NODES)
+    r = decide(snap_at(280), [nan_at(270, 272)], hist, rc)
+    assert r.kind is RemedyKind.ROLLBACK and r.to_step == 200
+    second = dataclasses.replace(first, at=NOW - 30, step=280, attempt_nodes=("n5", "n6"))
+    worn = dataclasses.replace(hist, remedies=(first, second))
+    assert decide(snap_at(290), [nan_at(285, 288)], worn, rc).kind is RemedyKind.ESCALATE

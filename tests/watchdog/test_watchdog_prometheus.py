@@ -14,17 +14,21 @@ from prom_harness import Exporter, PrometheusServer
 from supervisor.prometheus import (
     QUERIED_FIELDS,
     PrometheusSource,
+    SampleHistory,
     ScrapeSource,
     Target,
     assemble,
-    parse_matrix,
+    parse_series,
 )
 from supervisor.spec import RecoverySpec
 from supervisor.watchdog.detectors import detect_all, detect_nonfinite
 from supervisor.watchdog.policy import decide
 from supervisor.watchdog.snapshot import (
+    Cause,
     JobState,
     JobView,
+    MetricSample,
+    MetricsView,
     RemedyKind,
     RunHistory,
     Snapshot,
@@ -51,6 +55,7 @@ class FakeTrainer:
         self.run_id = run_id
         self.step = 0
         self.nan_from: int | None = None
+        self.nan_grads_node: str | None = None  # from nan_from: NaN grads made on this node
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -68,13 +73,16 @@ class FakeTrainer:
         while not self._stop.is_set():
             self.step += 1
             bad = self.nan_from is not None and self.step >= self.nan_from
-            loss = math.nan if bad else 3.0 + 5.0 * math.exp(-self.step / 50)
+            grads_only = bad and self.nan_grads_node is not None
+            loss = math.nan if bad and not grads_only else 3.0 + 5.0 * math.exp(-self.step / 50)
             p = self.primary
             for exp, labels in ((p, n1), (self.other, n2)):
                 exp.set("nightwatch_train_step", labels, self.step)
                 exp.set("nightwatch_train_last_step_timestamp_seconds", labels, time.time())
                 exp.set("nightwatch_train_step_time_window_avg_seconds", labels, self.dt)
                 exp.set("nightwatch_train_up", labels, 1)
+                made_nan = grads_only and labels[2] == self.nan_grads_node
+                exp.inc("nightwatch_train_nonfinite_grads_total", labels, 1.0 if made_nan else 0.0)
             p.set("nightwatch_train_loss", n1, loss)
             p.set("nightwatch_train_loss_window_max", n1, loss)
             p.set("nightwatch_train_loss_window_min", n1, loss)
@@ -117,8 +125,8 @@ def test_prometheus_source_observes_detects_and_reports_down(
         prometheus.wait_for_series('nightwatch_train_step{node="n2"}')
         time.sleep(2.5)
         views = source.collect([R1, ("r9", 1)], time.time())
-        # One query per metric for all runs, none per run.
-        assert source.queries == len(QUERIED_FIELDS) + 1
+        # One query per metric for all runs, none per run (+ step times, + NaN-making nodes).
+        assert source.queries == len(QUERIED_FIELDS) + 2
         r1 = views[R1]
         assert r1.health is SourceHealth.UP, r1
         assert views[("r9", 1)].health is SourceHealth.MISSING
@@ -167,6 +175,39 @@ def test_prometheus_source_observes_detects_and_reports_down(
             time.sleep(0.5)
             view = source.collect([R1], time.time())[R1]
         assert view.health is SourceHealth.UP and view.samples[-1].t > restarted
+
+
+def test_nan_grads_are_pinned_on_the_node_that_made_them(
+    prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
+) -> None:
+    """n2 makes NaN gradients (the loss stays finite): its own counter, scraped by Prometheus
+    on its own schedule, names it, and the policy excludes n2 at once instead of rolling
+    back first."""
+    rc = RecoverySpec()
+    source = PrometheusSource(prometheus.url, stale_after_s=5.0, window_s=120.0)
+    with FakeTrainer(*exporters) as trainer:
+        prometheus.wait_for_series('nightwatch_train_step{node="n2"}')
+        time.sleep(2.0)
+        now = time.time()
+        assert detect_all(_snapshot(R1, source.collect([R1], now)[R1], now), rc) == []
+        trainer.nan_grads_node = "n2"
+        trainer.nan_from = trainer.step + 2
+        injected = time.time()
+        found: list = []
+        while time.time() - injected < 15 and not found:
+            time.sleep(0.5)
+            now = time.time()
+            found = detect_nonfinite(_snapshot(R1, source.collect([R1], now)[R1], now), rc)
+        latency = time.time() - injected
+    assert found, "no finding"
+    (finding,) = found
+    assert finding.nodes == ("n2",) and finding.cause is Cause.NODE, finding
+    assert finding.last_healthy_step < trainer.nan_from <= finding.first_bad_step  # type: ignore[operator]
+    snap = _snapshot(R1, MetricsView(SourceHealth.UP), time.time())
+    remedy = decide(snap, found, RunHistory(), rc)
+    assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == ("n2",)
+    print(f"\nNaN-making node named via Prometheus in {latency:.2f} s")
+    assert latency < 5.0 + rc.nan_attribution_wait_seconds
 
 
 def test_prometheus_source_keeps_attempts_apart_and_goes_stale(
@@ -257,7 +298,7 @@ def test_scrape_source_reads_endpoints_and_fails_down(
     assert down.health is SourceHealth.DOWN
 
 
-def test_parse_matrix_and_assemble_on_recorded_answers() -> None:
+def test_parse_series_and_assemble_on_recorded_answers() -> None:
     payload = {
         "status": "success",
         "data": {
@@ -274,8 +315,8 @@ def test_parse_matrix_and_assemble_on_recorded_answers() -> None:
             ],
         },
     }
-    step = parse_matrix(payload)
-    loss = parse_matrix(
+    step = parse_series(payload)
+    loss = parse_series(
         {
             "status": "success",
             "data": {
@@ -293,7 +334,29 @@ def test_parse_matrix_and_assemble_on_recorded_answers() -> None:
     (s1, s2) = out[R1]
     assert (s1.step, s2.step, s2.loss) == (5, 6, 2.5) and math.isnan(s1.loss)  # type: ignore[arg-type]
     with pytest.raises(Exception, match="query failed"):
-        parse_matrix({"status": "error", "error": "bad"})
+        parse_series({"status": "error", "error": "bad"})
+
+
+def test_history_lends_a_superseded_attempt_to_the_next_as_its_prior() -> None:
+    """Attempt 1 ran to step 40 and was rolled back to 30: attempt 2's view carries attempt
+    1's samples below its first step, and nothing once the run is no longer watched."""
+    history = SampleHistory(window_s=600, stale_after_s=30)
+    r2 = (R1[0], 2)
+    for step in range(1, 41):
+        history.add(R1, MetricSample(t=float(step), step=step, loss=5.0, last_step_ts=step))
+    history.forget_except([R1])
+    assert history.view(R1, 41).prior == ()
+    history.forget_except([r2])
+    assert history.view(r2, 41).health is SourceHealth.MISSING
+    history.add(r2, MetricSample(t=50.0, step=30, loss=4.0, last_step_ts=0))  # not stepped yet
+    assert history.view(r2, 51).prior == ()
+    history.add(r2, MetricSample(t=51.0, step=31, loss=4.0, last_step_ts=51))
+    view = history.view(r2, 52)
+    assert [s.step for s in view.prior] == list(range(1, 31))
+    assert [s.step for s in view.samples] == [30, 31]
+    history.forget_except([])
+    history.add(r2, MetricSample(t=60.0, step=32, loss=4.0, last_step_ts=60))
+    assert history.view(r2, 61).prior == ()
 
 
 def test_reconciler_with_prometheus_stopped_takes_no_remedy(

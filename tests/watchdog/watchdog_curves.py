@@ -30,6 +30,7 @@ class Faults:
     spike_steps: tuple[int, int] | None = None  # loss × spike_factor on [a, b)
     spike_factor: float = 6.0
     nan_from: int | None = None
+    nan_grads_only: bool = False  # a node's backward pass: the loss stays finite
     grad_from: int | None = None
     grad_value: float = 40.0
     slow_from: int | None = None  # tokens/s × 0.3 from this step
@@ -81,7 +82,8 @@ def simulate(
             if f.grad_from is not None and step >= f.grad_from:
                 grad = f.grad_value * rng.uniform(0.9, 1.1)
             if f.nan_from is not None and step >= f.nan_from:
-                loss = grad = float("nan")
+                grad = float("nan")
+                loss = loss if f.nan_grads_only else grad
                 nonfinite += 1
             if f.mismatch_from is not None and step >= f.mismatch_from:
                 mismatches += 1
@@ -150,13 +152,20 @@ def snapshot(
     target_steps: int | None = None,
     run_id: str = "r1",
     attempt: int = 1,
+    prior: list[MetricSample] | None = None,
+    nonfinite_grad_nodes: tuple[str, ...] = (),
 ) -> Snapshot:
     last_t = samples[-1].t if samples else 1_000_000.0
     return Snapshot(
         run_id=run_id,
         attempt=attempt,
         now=last_t + 0.5 if now is None else now,
-        metrics=MetricsView(health=health, samples=tuple(samples)),
+        metrics=MetricsView(
+            health=health,
+            samples=tuple(samples),
+            prior=tuple(prior or ()),
+            nonfinite_grad_nodes=nonfinite_grad_nodes,
+        ),
         job=JobView(
             health=job_health,
             state=job_state,

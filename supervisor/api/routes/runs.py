@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Response, status
+from fastapi import (
+    APIRouter,
+    Body,
+    Header,
+    HTTPException,
+    Path,
+    Query,
+    Request,
+    Response,
+    status,
+)
 from pydantic import BaseModel
 
 from supervisor import store
@@ -23,6 +33,7 @@ from supervisor.api.schemas import (
     RunOut,
     RunPage,
 )
+from supervisor.api.submissions import SubmissionWriter
 from supervisor.layout import layout_report
 from supervisor.models import RunState
 from supervisor.spec import RunSpec
@@ -58,9 +69,9 @@ RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])
         409: {"model": ErrorBody, "description": "Idempotency-Key reused with another spec"},
     },
 )
-def submit_run(
+async def submit_run(
     spec: Annotated[RunSpec, Body(openapi_examples=SPEC_EXAMPLES)],
-    session: WriteSessionDep,
+    request: Request,
     caller: SubmitToken,
     idempotency_key: Annotated[
         str | None,
@@ -73,17 +84,22 @@ def submit_run(
         ),
     ] = None,
 ) -> Any:
-    """Validate the spec and its layout, then store the run (state `pending`)."""
+    """Validate the spec and its layout, then store the run (state `pending`).
+
+    Async: validation is CPU work either way, and the insert goes to the process's
+    submission writer (`supervisor.api.submissions`), which commits waiting requests
+    together."""
     if caller.run_id is not None:
         raise HTTPException(403, "a per-run worker token cannot submit runs")
     report = layout_report(spec)
     if not report.ok:
         raise LayoutRejected(report.errors)
-    run, created = store.create_run(
-        session, spec, created_by=caller.token_id, idempotency_key=idempotency_key
+    writer: SubmissionWriter = request.app.state.submissions
+    run, created = await writer.submit(
+        spec, created_by=caller.token_id, idempotency_key=idempotency_key
     )
     return _json(
-        RunOut.model_validate(run),
+        run,
         status.HTTP_201_CREATED if created else status.HTTP_200_OK,
         {"Location": f"/v1/runs/{run.id}"},
     )

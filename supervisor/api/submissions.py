@@ -1,0 +1,124 @@
+"""Group commit for `POST /v1/runs`: one writer thread per API process stores every waiting
+submission in one write transaction.
+
+Why: submissions are serialized by the database (SQLite has one writer; PostgreSQL flushes its
+WAL on every commit), and a transaction per request held the SQLite writer lock for ≈ 2.7 ms
+to do ≈ 0.6 ms of work, the rest waiting for the GIL among the event loop and dozens of
+request threads. Here requests queue, the writer takes whatever is waiting (up to
+`max_batch`), inserts each in a savepoint (`store.add_run`: an Idempotency-Key conflict fails
+only its own request) and commits once; requests that arrive meanwhile form the next batch.
+A lone request pays no waiting: the writer starts as soon as one is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from supervisor import store
+from supervisor.api.schemas import RunOut
+from supervisor.db import Database
+from supervisor.spec import RunSpec
+
+log = logging.getLogger("nightwatch.api")
+
+MAX_BATCH = 64
+
+
+@dataclass
+class _Pending:
+    spec: RunSpec
+    created_by: str | None
+    idempotency_key: str | None
+    result: Future[tuple[RunOut, bool]] = field(default_factory=Future)
+
+
+class SubmissionWriter:
+    """Stores submissions in batches on its own thread; `submit` awaits one's outcome."""
+
+    def __init__(self, db: Database, max_batch: int = MAX_BATCH) -> None:
+        self.db = db
+        self.max_batch = max_batch
+        self.batches = 0  # transactions committed (tests and benchmarks read it)
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    async def submit(
+        self, spec: RunSpec, *, created_by: str | None, idempotency_key: str | None
+    ) -> tuple[RunOut, bool]:
+        """(the run as the API shows it, whether this request created it)."""
+        pending = _Pending(spec, created_by, idempotency_key)
+        self._ensure_started()
+        self._queue.put(pending)
+        return await asyncio.wrap_future(pending.result)
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the thread."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _ensure_started(self) -> None:
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="submission-writer", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            stop = False
+            while len(batch) < self.max_batch:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            self._write(batch)
+            if stop:
+                return
+
+    def _write(self, batch: list[_Pending]) -> None:
+        outcomes: list[tuple[_Pending, tuple[RunOut, bool] | BaseException]] = []
+        try:
+            with self.db.write_session() as session:
+                for p in batch:
+                    try:
+                        run, created = store.add_run(
+                            session,
+                            p.spec,
+                            created_by=p.created_by,
+                            idempotency_key=p.idempotency_key,
+                        )
+                        outcomes.append((p, (RunOut.model_validate(run), created)))
+                    except Exception as exc:  # its savepoint is rolled back; the rest go on
+                        outcomes.append((p, exc))
+                session.commit()
+                self.batches += 1
+        except Exception as exc:  # the commit (or the write lock) failed: nobody got stored
+            log.warning(f"submission batch of {len(batch)} failed: {exc!r}")
+            for p in batch:
+                p.result.set_exception(exc)
+            return
+        for p, outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                p.result.set_exception(outcome)
+            else:
+                p.result.set_result(outcome)
