@@ -41,7 +41,7 @@ demo: venv
 
 test: venv services
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 # The overnight proof (docs/benchmarks.md, "Chaos soak"): real SLURM + Prometheus + PostgreSQL.
 SEED ?= 7

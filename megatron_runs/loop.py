@@ -274,8 +274,10 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     current = [0]  # the step being computed, for the NaN-grad hook
     # This node's exporter (local rank 0) reports whether its own gradients were finite
     # before reduction: after the reduction every rank holds the NaN, and only this tells
-    # which node made it.
-    exports_node = ctx.metrics_port is not None and local_rank == 0
+    # which node made it. Not with overlapped grad reduction (GPU, DP > 1): the buckets are
+    # already being reduced in place when the backward pass ends.
+    overlapped = getattr(getattr(model[0], "ddp_config", None), "overlap_grad_reduce", False)
+    exports_node = ctx.metrics_port is not None and local_rank == 0 and not overlapped
     local_grads: list[torch.Tensor | None] = [None]
     _hook_finalize(config, model, faults, current, local_grads if exports_node else None)
     config.grad_scale_func = optimizer.scale_loss
@@ -288,8 +290,8 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     step, cursor = 0, 0
     info = ck.choose(root, ctx.resume_step)
     resumed_from = info.step if info is not None else None
-    if info is not None and ctx.resume_step and info.step != ctx.resume_step:
-        log("resume_step_unavailable", asked=ctx.resume_step, using=info.step)
+    if ctx.resume_step and (info is None or info.step != ctx.resume_step):
+        log("resume_step_unavailable", asked=ctx.resume_step, using=info.step if info else 0)
     if info is not None:
         t0 = time.perf_counter()
         loaded = dist_ckpt.load(model, optimizer, info)

@@ -113,11 +113,16 @@ def build_sample(
 PRIOR_SAMPLES = 256
 
 
+def _first_step(samples: Iterable[MetricSample]) -> int | None:
+    """The first step an attempt completed (placeholders before its first step excluded)."""
+    return next((s.step for s in samples if s.step is not None and s.last_step_ts), None)
+
+
 def _chain(
     prior: Iterable[MetricSample], later: Sequence[MetricSample]
 ) -> tuple[MetricSample, ...]:
     """One step-ordered history: `prior` below `later`'s first step, then `later` (capped)."""
-    first = next((s.step for s in later if s.step is not None), None)
+    first = _first_step(later)
     kept = [s for s in prior if first is None or (s.step is not None and s.step < first)]
     return (*kept, *later)[-PRIOR_SAMPLES:]
 
@@ -180,7 +185,7 @@ class SampleHistory:
         prior = self._prior.get(run_id)
         if not prior:
             return ()
-        first = next((s.step for s in samples if s.step is not None and s.last_step_ts), None)
+        first = _first_step(samples)
         if first is None:
             return ()
         return tuple(s for s in prior if s.step is not None and s.step < first)
@@ -225,16 +230,19 @@ def parse_series(payload: Mapping[str, Any]) -> list[Series]:
     kind = data.get("resultType")
     if kind not in ("matrix", "vector"):
         raise PrometheusUnavailable(f"expected a matrix or a vector, got {kind}")
-    return [
-        Series(
-            labels=item.get("metric", {}),
-            points=tuple(
-                (float(t), float(v))
-                for t, v in (item.get("values", ()) if kind == "matrix" else [item["value"]])
-            ),
-        )
-        for item in data.get("result", ())
-    ]
+    try:
+        return [
+            Series(
+                labels=item.get("metric", {}),
+                points=tuple(
+                    (float(t), float(v))
+                    for t, v in (item["values"] if kind == "matrix" else [item["value"]])
+                ),
+            )
+            for item in data.get("result", ())
+        ]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PrometheusUnavailable(f"malformed {kind}: {exc!r}") from exc
 
 
 def assemble(

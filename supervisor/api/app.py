@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -51,7 +52,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        submissions.close()
+        await asyncio.to_thread(submissions.close)
         if database is None:
             db.dispose()
 

@@ -19,6 +19,8 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from sqlalchemy.exc import OperationalError
+
 from supervisor import store
 from supervisor.api.schemas import RunOut
 from supervisor.db import Database
@@ -58,7 +60,7 @@ class SubmissionWriter:
         return await asyncio.wrap_future(pending.result)
 
     def close(self) -> None:
-        """Finish what is queued, then stop the thread."""
+        """Finish what is queued, then stop the thread (blocking: call it off the loop)."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
@@ -76,12 +78,12 @@ class SubmissionWriter:
                 self._thread.start()
 
     def _run(self) -> None:
-        while True:
+        stop = False
+        while not stop:
             first = self._queue.get()
             if first is None:
-                return
+                break
             batch = [first]
-            stop = False
             while len(batch) < self.max_batch:
                 try:
                     item = self._queue.get_nowait()
@@ -91,12 +93,21 @@ class SubmissionWriter:
                     stop = True
                     break
                 batch.append(item)
-            self._write(batch)
-            if stop:
-                return
+            # A request cancelled while it waited (client gone, shutdown) is not stored.
+            live = [p for p in batch if p.result.set_running_or_notify_cancel()]
+            try:
+                self._write(live)
+            except BaseException as exc:  # never leave a request waiting forever
+                for p in live:
+                    if not p.result.done():
+                        p.result.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
 
     def _write(self, batch: list[_Pending]) -> None:
-        outcomes: list[tuple[_Pending, tuple[RunOut, bool] | BaseException]] = []
+        if not batch:
+            return
+        outcomes: list[tuple[_Pending, tuple[RunOut, bool] | Exception]] = []
         try:
             with self.db.write_session() as session:
                 for p in batch:
@@ -108,6 +119,8 @@ class SubmissionWriter:
                             idempotency_key=p.idempotency_key,
                         )
                         outcomes.append((p, (RunOut.model_validate(run), created)))
+                    except OperationalError:
+                        raise  # the database, not this item (locked, gone): fail the batch
                     except Exception as exc:  # its savepoint is rolled back; the rest go on
                         outcomes.append((p, exc))
                 session.commit()
@@ -118,7 +131,7 @@ class SubmissionWriter:
                 p.result.set_exception(exc)
             return
         for p, outcome in outcomes:
-            if isinstance(outcome, BaseException):
+            if isinstance(outcome, Exception):
                 p.result.set_exception(outcome)
             else:
                 p.result.set_result(outcome)

@@ -62,6 +62,10 @@ def run_dir(home: Path, run_id: str) -> Path:
     return home / "runs" / run_id
 
 
+#: Remedies whose `to_step` rolls training back (later checkpoints may hold thrown-away state).
+ROLLS_BACK = frozenset({RemedyKind.ROLLBACK, RemedyKind.EXCLUDE_NODE})
+
+
 def checkpoint_dir(home: Path, run_id: str, spec: RunSpec) -> Path:
     """docs: spec.checkpoint.dir, default $NIGHTWATCH_HOME/runs/<run id>/checkpoints."""
     if spec.checkpoint.dir:
@@ -326,9 +330,10 @@ class Actuator:
             excluded = {*run.excluded_nodes_json, *remedy.exclude_nodes}
             updates["excluded_nodes_json"] = sorted(excluded)
             self._exclude_nodes(run, remedy, ctx)
-        # Rollbacks name their checkpoint; others may too (after a rollback, see policy).
+        # Rollbacks name their checkpoint; others may too (after a rollback, see policy; an
+        # exclusion of a node that made NaN resumes from before the onset: a rollback too).
         resume = remedy.to_step
-        if remedy.kind is RemedyKind.ROLLBACK and resume is not None:
+        if remedy.kind in ROLLS_BACK and resume is not None:
             updates["resume_step"] = resume
         if updates:
             with self.db.write_session() as s:

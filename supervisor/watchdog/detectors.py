@@ -11,6 +11,7 @@ Rules every detector keeps:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -229,13 +230,25 @@ def detect_loss_spike(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     if not own:
         return []
     resumed_at = own[0].step or 0
-    prior = [p for p in by_step(snap.metrics.prior) if _finite(p.loss) and p.step < resumed_at]  # type: ignore[operator]
+    since = resumed_at - rc.loss_spike_window  # a far older lineage is no baseline
+    prior = [
+        p
+        for p in by_step(snap.metrics.prior)
+        if _finite(p.loss) and since <= (p.step or 0) < resumed_at
+    ]
     points = prior + own
     if len(points) <= MIN_BASELINE_SAMPLES:
         return []
     first_own = len(prior)  # only this attempt's steps can convict: the prior is a baseline
     finding = _sustained_spike(points, rc, first_own) or _hard_spike(points, rc, first_own)
-    return [finding] if finding is not None else []
+    if finding is None:
+        return []
+    started = snap.attempt_started_at
+    if prior and finding.last_healthy_step == prior[-1].step and started is not None:
+        # Bad from this attempt's first sample: the fault came after it started, not at the
+        # previous attempt's last healthy step (which would count the restart as downtime).
+        finding = dataclasses.replace(finding, fault_time=max(finding.fault_time or 0, started))
+    return [finding]
 
 
 def _window_max(p: MetricSample) -> float:

@@ -260,6 +260,16 @@ def _numeric(
     global_batch: int,
 ) -> Remedy:
     if finding.cause is Cause.NODE and finding.nodes:
+        if _pinned_again_at_same_data(finding, prior):
+            # The last exclusion did not stop it: the same steps made NaN on another node,
+            # so it is the data (one data-parallel shard's batch), not a node.
+            return _rollback(
+                finding,
+                history,
+                rc,
+                global_batch,
+                "non-finite gradients followed the same data to another node",
+            )
         # Named by the node's own gradients: exclude it at once, and resume from before
         # the onset (a bf16 optimizer without a found-inf check may have applied the NaN).
         return _exclude(
@@ -270,6 +280,7 @@ def _numeric(
             finding.summary,
             to_step=rollback_target(finding, history),
         )
+    prior = _since_pinned(prior)
     if not prior:
         return _rollback(finding, history, rc, global_batch, f"{finding.kind.value}")
     last = prior[-1]
@@ -417,7 +428,7 @@ def decide(
         if r.finding_kind is not None and r.finding_kind in family(kind)
     ]
     if kind in NUMERIC_FAULTS:
-        return _numeric(finding, _since_pinned(prior), history, rc, snap.global_batch_size)
+        return _numeric(finding, prior, history, rc, snap.global_batch_size)
     if kind in (FindingKind.STRAGGLER, FindingKind.JOB_NODE_FAIL):
         if finding.nodes:
             return _exclude(
@@ -429,6 +440,21 @@ def decide(
             )
         return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
     return _restart_then_nodes(finding, prior, history, rc)
+
+
+def _pinned_again_at_same_data(finding: Finding, prior: Sequence[PastRemedy]) -> bool:
+    """A NaN pinned on a node after an earlier pinned exclusion of another node, at a step
+    the excluded attempt had already reached (the rollback replays the same data)."""
+    bad = finding.first_bad_step
+    return bad is not None and any(
+        r.kind is RemedyKind.EXCLUDE_NODE
+        and r.finding_kind is FindingKind.NONFINITE
+        and r.finding_nodes
+        and set(finding.nodes) - set(r.finding_nodes)
+        and r.step is not None
+        and bad <= r.step
+        for r in prior
+    )
 
 
 def _since_pinned(prior: Sequence[PastRemedy]) -> list[PastRemedy]:

@@ -52,6 +52,7 @@ from supervisor.slurm import JobState as SlurmState
 from supervisor.spec import RunSpec
 from supervisor.watchdog import accounting
 from supervisor.watchdog.actions import (
+    ROLLS_BACK,
     ActContext,
     ActionKind,
     Actuator,
@@ -785,7 +786,7 @@ class Reconciler:
             if remedy.kind is RemedyKind.ESCALATE
             else IncidentState.REMEDYING
         )
-        resume_from = remedy.to_step if remedy.kind is RemedyKind.ROLLBACK else disk_step
+        resume_from = remedy.to_step if remedy.to_step is not None else disk_step
         evidence = {
             "finding": finding.summary,
             "cause": finding.cause.value,
@@ -924,12 +925,13 @@ class Reconciler:
         )
 
     def _rollbacks(self, run_id: str) -> list[tuple[int, float | None]]:
-        """(to_step, first start of any later attempt) of the run's rollbacks."""
+        """(to_step, first start of any later attempt) of the run's rollbacks (and of the
+        exclusions that resumed from a named step)."""
         with self.db.session() as s:
             actions = s.scalars(
                 select(Action).where(
                     Action.run_id == run_id,
-                    Action.kind == ActionKind.ROLLBACK.value,
+                    Action.kind.in_([k.value for k in ROLLS_BACK]),
                     Action.state == ActionState.DONE,
                 )
             ).all()

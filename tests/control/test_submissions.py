@@ -64,3 +64,43 @@ def test_requests_whose_insert_fails_get_the_error(tmp_path: Path) -> None:
     assert all(isinstance(o, Exception) for o in outcomes), outcomes
     with pytest.raises(Exception, match="no such table"):
         raise outcomes[0]  # type: ignore[misc]
+
+
+@pytest.mark.timeout(60)  # the bug it guards against hung every later request
+def test_a_request_cancelled_while_queued_is_dropped_and_the_writer_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A client that goes away while its submission waits (here: behind another process's
+    write lock) cancels it; the writer skips it and serves the next ones."""
+    from sqlalchemy import text
+
+    url = f"sqlite:///{tmp_path / 'nightwatch.db'}"
+    db, other = Database(url), Database(url)
+    db.upgrade()
+    spec = RunSpec.from_file(EXAMPLES / "tiny-cpu.yaml")
+    writer = SubmissionWriter(db)
+    blocker = other.write_session()
+    blocker.execute(text("SELECT 1"))  # BEGIN IMMEDIATE: holds the write lock
+
+    async def main() -> tuple[object, object, object]:
+        first = asyncio.create_task(writer.submit(spec, created_by=None, idempotency_key="a"))
+        await asyncio.sleep(0.3)  # taken into a batch, waiting for the lock
+        gone = asyncio.create_task(writer.submit(spec, created_by=None, idempotency_key="b"))
+        last = asyncio.create_task(writer.submit(spec, created_by=None, idempotency_key="c"))
+        await asyncio.sleep(0.1)
+        gone.cancel()
+        blocker.rollback()
+        return await asyncio.gather(first, gone, last, return_exceptions=True)
+
+    try:
+        first, gone, last = asyncio.run(main())
+    finally:
+        blocker.close()
+        writer.close()
+    assert isinstance(gone, asyncio.CancelledError)
+    assert first[1] and last[1]  # type: ignore[index]
+    with db.session() as s:
+        keys = set(s.scalars(select(Run.idempotency_key)))
+    assert keys == {"a", "c"}
+    other.dispose()
+    db.dispose()

@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,14 +30,23 @@ pytestmark = [
 ]
 
 
-def test_short_soak_cures_every_fault_and_matches_the_reference(tmp_path: Path) -> None:
+@pytest.fixture
+def out() -> Iterator[Path]:
+    """A short directory: the devcluster's Unix sockets live under it (pytest's tmp_path is
+    too long for them)."""
+    path = Path(tempfile.mkdtemp(prefix="nw-soak-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_short_soak_cures_every_fault_and_matches_the_reference(out: Path) -> None:
     seed = os.environ.get("NIGHTWATCH_SOAK_SEED", "3")
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "chaos_soak.py"), "--short", "--seed", seed,
-         "--out", str(tmp_path)],
+         "--out", str(out)],
         capture_output=True, text=True, timeout=1800, cwd=REPO,
     )  # fmt: skip
-    results = list(tmp_path.glob("*/result.json"))
+    results = list(out.glob("*/result.json"))
     assert results, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(results[0].read_text())
     nw = next(s for s in result["scores"] if s["system"] == "nightwatch")

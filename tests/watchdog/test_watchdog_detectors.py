@@ -340,6 +340,16 @@ def test_spike_right_after_a_restart_is_judged_against_the_previous_attempt(
         (f,) = detect_loss_spike(snapshot(own, prior=prior), rc)
         assert f.last_healthy_step is not None and f.first_bad_step is not None
         assert f.last_healthy_step < 110 <= f.first_bad_step, seed
+        # Bad from the attempt's first sample: the onset is bounded by the attempt's start,
+        # not by the previous attempt's last healthy step (the restart is not downtime).
+        at_once = simulate(seed, steps=300, faults=Faults(spike_steps=(101, 160)))
+        prior, own = _split_at_restart(at_once, resume=100, restart=104)
+        own = [s for s in own if (s.step or 0) <= 110]
+        started = own[0].t - 0.2
+        snap = dataclasses.replace(snapshot(own, prior=prior), attempt_started_at=started)
+        (g,) = detect_loss_spike(snap, rc)
+        assert g.last_healthy_step is not None and g.last_healthy_step <= 100
+        assert g.fault_time == started, seed
 
 
 def test_previous_attempt_only_lends_a_baseline(rc: RecoverySpec) -> None:

@@ -430,3 +430,27 @@ def test_recurrence_on_disjoint_nodes_is_a_new_bad_window(rc: RecoverySpec) -> N
     second = dataclasses.replace(first, at=NOW - 30, step=280, attempt_nodes=("n5", "n6"))
     worn = dataclasses.replace(hist, remedies=(first, second))
     assert decide(snap_at(290), [nan_at(285, 288)], worn, rc).kind is RemedyKind.ESCALATE
+
+
+def test_nan_pinned_again_on_another_node_at_the_same_data_is_the_data(
+    rc: RecoverySpec,
+) -> None:
+    """n1 was excluded for NaN gradients decided at step 260; the replay from 200 makes NaN
+    at step 255 on n2: it followed the data (one shard's batch), so roll back and skip it
+    instead of excluding healthy nodes one by one. Far past that step, n2 is a new bad node."""
+    excl = past(
+        RemedyKind.EXCLUDE_NODE,
+        FindingKind.NONFINITE,
+        step=260,
+        excluded=("n1",),
+        attempt_nodes=("n1", "n2"),
+        finding_nodes=("n1",),
+    )
+    hist = RunHistory(
+        remedies=(excl,), excluded_nodes=frozenset({"n1"}), checkpoints=CKPTS, attempt_nodes=NODES
+    )
+    again = dataclasses.replace(nan_at(250, 255), cause=Cause.NODE, nodes=("n2",))
+    r = decide(snap_at(256), [again], hist, rc)
+    assert r.kind is RemedyKind.ROLLBACK and r.skip_ranges and r.to_step == 200
+    later = dataclasses.replace(nan_at(400, 405), cause=Cause.NODE, nodes=("n2",))
+    assert decide(snap_at(406), [later], hist, rc).kind is RemedyKind.EXCLUDE_NODE

@@ -14,6 +14,7 @@ from prom_harness import Exporter, PrometheusServer
 from supervisor.prometheus import (
     QUERIED_FIELDS,
     PrometheusSource,
+    PrometheusUnavailable,
     SampleHistory,
     ScrapeSource,
     Target,
@@ -335,6 +336,12 @@ def test_parse_series_and_assemble_on_recorded_answers() -> None:
     assert (s1.step, s2.step, s2.loss) == (5, 6, 2.5) and math.isnan(s1.loss)  # type: ignore[arg-type]
     with pytest.raises(Exception, match="query failed"):
         parse_series({"status": "error", "error": "bad"})
+    vector = {"resultType": "vector", "result": [{"metric": {"node": "n2"}, "value": [9.5, "3"]}]}
+    (only,) = parse_series({"status": "success", "data": vector})
+    assert only.labels["node"] == "n2" and only.points == ((9.5, 3.0),)
+    broken = {"resultType": "vector", "result": [{"metric": {"node": "n2"}}]}
+    with pytest.raises(PrometheusUnavailable, match="malformed vector"):
+        parse_series({"status": "success", "data": broken})
 
 
 def test_history_lends_a_superseded_attempt_to_the_next_as_its_prior() -> None:
