@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -43,7 +44,13 @@ from benchmarks.soak.schedule import (
     parse_kinds,
 )
 from benchmarks.soak.score import SystemScore, comparison, score_system
-from benchmarks.soak.services import REPO, Cluster, Supervisor, create_database
+from benchmarks.soak.services import (
+    REPO,
+    Cluster,
+    Supervisor,
+    create_database,
+    drop_database,
+)
 from supervisor.auth import Scope
 
 JOB_NODES, PER_NODE = 2, 2
@@ -203,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     clean_spec = {**spec, "faults": []}
     supervisor = None
     runs: dict[str, SystemRun] = {}
+    db_name = f"nw_soak_{seed}_{os.getpid()}"
     try:
-        db_url = create_database(f"nw_soak_{seed}")
+        db_url = create_database(db_name)
         supervisor = Supervisor(out / "home", db_url, cluster.prometheus_url, cluster.slurm_conf)
         tokens = {
             "admin": supervisor.token("soak", [Scope.ADMIN]),
@@ -232,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if supervisor is not None:
             supervisor.stop()
+            drop_database(db_name)
         try:
             cluster.stop()
         except Exception as exc:  # report, but the result is still written

@@ -123,11 +123,18 @@ PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
 def create_database(name: str, admin_url: str = PG_ADMIN_URL) -> str:
-    """A fresh PostgreSQL database for this soak; returns its SQLAlchemy URL."""
+    """A fresh PostgreSQL database for this soak; returns its SQLAlchemy URL. Name it per
+    soak process: a supervisor left over from an interrupted soak reconnects to a database
+    of the same name and, holding the reconciler lease, would take the new run over."""
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{name}"')
     return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+
+
+def drop_database(name: str, admin_url: str = PG_ADMIN_URL) -> None:
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @dataclass

@@ -175,6 +175,14 @@ def _exclude(
     )
 
 
+def _exclude_named(
+    finding: Finding, history: RunHistory, rc: RecoverySpec, to_step: int | None = None
+) -> Remedy:
+    """Exclude the nodes the finding itself names (those not excluded yet)."""
+    nodes = [n for n in finding.nodes if n not in history.excluded_nodes]
+    return _exclude(nodes, finding, history, rc, finding.summary, to_step=to_step)
+
+
 def _node_ladder(
     finding: Finding,
     prior: Sequence[PastRemedy],
@@ -272,14 +280,7 @@ def _numeric(
             )
         # Named by the node's own gradients: exclude it at once, and resume from before
         # the onset (a bf16 optimizer without a found-inf check may have applied the NaN).
-        return _exclude(
-            [n for n in finding.nodes if n not in history.excluded_nodes],
-            finding,
-            history,
-            rc,
-            finding.summary,
-            to_step=rollback_target(finding, history),
-        )
+        return _exclude_named(finding, history, rc, to_step=rollback_target(finding, history))
     prior = _since_pinned(prior)
     if not prior:
         return _rollback(finding, history, rc, global_batch, f"{finding.kind.value}")
@@ -356,13 +357,7 @@ def _restart_then_nodes(
     finding: Finding, prior: Sequence[PastRemedy], history: RunHistory, rc: RecoverySpec
 ) -> Remedy:
     if finding.cause is Cause.NODE and finding.nodes:
-        return _exclude(
-            [n for n in finding.nodes if n not in history.excluded_nodes],
-            finding,
-            history,
-            rc,
-            finding.summary,
-        )
+        return _exclude_named(finding, history, rc)
     if finding.cause is Cause.CODE:
         return _escalate(f"program error: {finding.summary}", finding, Cause.CODE)
     if not prior:
@@ -431,13 +426,7 @@ def decide(
         return _numeric(finding, prior, history, rc, snap.global_batch_size)
     if kind in (FindingKind.STRAGGLER, FindingKind.JOB_NODE_FAIL):
         if finding.nodes:
-            return _exclude(
-                [n for n in finding.nodes if n not in history.excluded_nodes],
-                finding,
-                history,
-                rc,
-                finding.summary,
-            )
+            return _exclude_named(finding, history, rc)
         return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
     return _restart_then_nodes(finding, prior, history, rc)
 
