@@ -6,12 +6,13 @@ pipeline. One rank of a job (RANK / WORLD_SIZE / LOCAL_RANK from the environment
 prints one JSON line per step: {"event": "step", "step", "step_time"}.
 
     python benchmarks/train_baseline.py --spec SPEC --steps 30 [--no-fused]
-        [--no-overlap-param-gather] [--no-fused-adam]
+        [--no-overlap-param-gather] [--no-fused-adam] [--no-gemm-bias] [--profile N]
 
 `--no-fused` / `--no-overlap-param-gather` turn off the GPU defaults of `loop._build_model`
 (fused bias-dropout-add and cross-entropy; param all-gather overlapped with the forward pass),
-`--no-fused-adam` that of `loop._build_optimizer` (torch's fused AdamW kernel), which gives the
-loop as it was measured before them.
+`--no-gemm-bias` the biases added inside the QKV / fc1 GEMMs, `--no-fused-adam` that of
+`loop._build_optimizer` (torch's fused AdamW kernel), which gives the loop as it was measured
+before them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def main() -> int:
     ap.add_argument("--no-fused", action="store_true")
     ap.add_argument("--no-overlap-param-gather", action="store_true")
     ap.add_argument("--no-fused-adam", action="store_true")
+    ap.add_argument("--no-gemm-bias", action="store_true")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="GPU: profile the last N steps on rank 0 and print the top kernels by CUDA time",
+    )
     args = ap.parse_args()
     spec = RunSpec.from_file(args.spec)
     rank, _world, _local, device = loop._init_distributed()
@@ -54,7 +63,11 @@ def main() -> int:
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     bf16 = m.precision == "bf16" and not CPU
     model, config = loop._build_model(
-        spec, bf16, fused=not args.no_fused, overlap_param_gather=not args.no_overlap_param_gather
+        spec,
+        bf16,
+        fused=not args.no_fused,
+        overlap_param_gather=not args.no_overlap_param_gather,
+        gemm_bias=not args.no_gemm_bias,
     )
     optimizer = loop._build_optimizer(spec, model, bf16, fused_adam=not args.no_fused_adam)
     config.grad_scale_func = optimizer.scale_loss
@@ -81,7 +94,12 @@ def main() -> int:
 
     it = batches()
     fwd_bwd = get_forward_backward_func()
+    profiler = None
     for step in range(1, args.steps + 1):
+        if args.profile and rank == 0 and not CPU and step == args.steps - args.profile + 1:
+            profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]
+            ).__enter__()
         t0 = time.perf_counter()
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -102,6 +120,10 @@ def main() -> int:
         if rank == 0:
             line = {"event": "step", "step": step, "step_time": time.perf_counter() - t0}
             print(json.dumps(line), file=sys.stderr, flush=True)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        print(table, file=sys.stderr, flush=True)
     torch.distributed.barrier()
     return 0
 

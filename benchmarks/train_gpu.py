@@ -4,16 +4,18 @@ Phases (each starts its own ranks through megatron_runs.launch_local):
 * tpcheck: a ~110M GPT for 50 steps as TP2×PP2 and as TP1×DP4 from the same (CPU-initialised,
   layout-independent) weights: max |Δloss| per step, and the replica checksum result
   (replica_mismatch events; TP-replicated params and DP replicas compared every 10 steps);
-* dp4 / tp2: the 1.3B GPT (24 × 2048, seq 2048, global batch 64) as DP4 or TP2×DP2, three
-  ways side by side: the bare SDPA loop (benchmarks/train_baseline.py), train() without
-  hooks (no metrics endpoint, no checksums) and train() with them (metrics endpoint +
-  checksum every 10 steps). Step time is the median of steps after the warm-up. Two more
-  bare-loop variants switch off the GPU defaults of `loop._build_model` for an A/B in the
-  same call: `baseline-ag` without the fused kernels (param all-gather overlap only),
-  `baseline-before` without either (the loop as first measured), `baseline-adam` with torch's
-  foreach AdamW instead of the fused kernel. `--skip-final-checkpoint` kills the train() ranks
-  once they have logged the last step (and its replica check, when one is due) instead of
-  waiting for the final checkpoint, to save device time.
+* dp4 / tp2: the 1.3B GPT (24 × 2048, seq 2048, global batch `--gbs`, 64 unless given) as
+  DP4 or TP2×DP2, three ways side by side: the bare SDPA loop (benchmarks/train_baseline.py),
+  train() without hooks (no metrics endpoint, no checksums) and train() with them (metrics
+  endpoint + checksum every 10 steps); dp1 is the same on one GPU, where `train()` also checks
+  local rank 0's own gradients before the (absent) reduction. Step time is the median of steps
+  after the warm-up. More bare-loop variants switch off GPU defaults of `loop._build_model` for
+  an A/B in the same call: `baseline-ag` without the fused kernels (param all-gather overlap
+  only), `baseline-before` without either (the loop as first measured), `baseline-adam` with
+  torch's foreach AdamW instead of the fused kernel, `baseline-nogemm` with Megatron's separate
+  bias adds instead of biases inside the QKV / fc1 GEMMs. `--skip-final-checkpoint` kills the
+  train() ranks once they have logged the last step (and its replica check, when one is due)
+  instead of waiting for the final checkpoint, to save device time.
 
     python benchmarks/train_gpu.py --phase tpcheck dp4 --out OUT_DIR
 """
@@ -180,6 +182,8 @@ def big(
     steps: int,
     variants: list[str],
     skip_ckpt: bool = False,
+    gbs: int = 64,
+    profile: int = 0,
 ) -> dict:
     spec = gpt(
         name,
@@ -192,9 +196,9 @@ def big(
         dp=dp,
         steps=steps,
         mbs=mbs,
-        gbs=64,
+        gbs=gbs,
     )
-    res: dict = {"micro_batch_size": mbs}
+    res: dict = {"micro_batch_size": mbs, "global_batch_size": gbs}
     if "baseline-before" in variants:
         res["baseline_before"] = run(
             out / f"{name}-base0",
@@ -208,7 +212,8 @@ def big(
             out / f"{name}-base-ag", spec, ["--no-fused"], env, baseline_steps=steps
         )
     if "baseline" in variants:
-        res["baseline"] = run(out / f"{name}-base", spec, [], env, baseline_steps=steps)
+        prof = ["--profile", str(profile)] if profile else []
+        res["baseline"] = run(out / f"{name}-base", spec, prof, env, baseline_steps=steps)
     if "hooks" in variants:
         res["train_hooks"] = run(
             out / f"{name}-hooks",
@@ -226,6 +231,10 @@ def big(
             {**env, "NIGHTWATCH_REPLICA_CHECK_EVERY": "0"},
             skip_final_checkpoint=skip_ckpt,
         )
+    if "baseline-nogemm" in variants:
+        res["baseline_nogemm"] = run(
+            out / f"{name}-base-nogemm", spec, ["--no-gemm-bias"], env, baseline_steps=steps
+        )
     if "baseline-adam" in variants:
         res["baseline_adam"] = run(
             out / f"{name}-base-adam", spec, ["--no-fused-adam"], env, baseline_steps=steps
@@ -238,18 +247,28 @@ def big(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", nargs="+", choices=["tpcheck", "dp4", "tp2"], required=True)
+    ap.add_argument("--phase", nargs="+", choices=["tpcheck", "dp4", "tp2", "dp1"], required=True)
     ap.add_argument("--out", type=Path, required=True, help="work dir (checkpoints, logs)")
     ap.add_argument("--results", type=Path, help="results JSON (default OUT/results.json)")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--mbs", type=int, default=8)
+    ap.add_argument("--gbs", type=int, default=64, help="global batch of the 1.3B phases")
     ap.add_argument(
         "--variants",
         nargs="+",
         default=["baseline", "nohooks", "hooks"],
-        choices=["baseline-before", "baseline-ag", "baseline", "nohooks", "hooks", "baseline-adam"],
+        choices=[
+            "baseline-before",
+            "baseline-ag",
+            "baseline",
+            "nohooks",
+            "hooks",
+            "baseline-adam",
+            "baseline-nogemm",
+        ],
     )
     ap.add_argument("--skip-final-checkpoint", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="profile the bare loop's last N steps")
     args = ap.parse_args()
     import torch
 
@@ -264,8 +283,8 @@ def main() -> None:
         if phase == "tpcheck":
             results[phase] = tpcheck(args.out / phase, env)
         else:
-            tp, dp = (1, 4) if phase == "dp4" else (2, 2)
-            key = f"{phase}_mbs{args.mbs}"
+            tp, dp = {"dp4": (1, 4), "tp2": (2, 2), "dp1": (1, 1)}[phase]
+            key = f"{phase}_mbs{args.mbs}_gbs{args.gbs}"
             results[key] = big(
                 args.out / key,
                 env,
@@ -276,6 +295,8 @@ def main() -> None:
                 args.steps,
                 args.variants,
                 args.skip_final_checkpoint,
+                args.gbs,
+                args.profile,
             )
         results[f"{phase}_wall_s"] = round(time.time() - t0, 1)
         (args.results or args.out / "results.json").write_text(json.dumps(results, indent=1))

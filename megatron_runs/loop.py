@@ -122,13 +122,18 @@ def _data_prefix(spec: RunSpec) -> str:
 
 
 def _build_model(
-    spec: RunSpec, bf16: bool, fused: bool = True, overlap_param_gather: bool = True
+    spec: RunSpec,
+    bf16: bool,
+    fused: bool = True,
+    overlap_param_gather: bool = True,
+    gemm_bias: bool = True,
 ) -> tuple[list, object]:
     """The DDP-wrapped model. On GPU by default: fused bias-dropout-add and cross-entropy (bf16
-    only, see `transformer_config`) and, with the distributed optimizer at DP > 1, the param
-    all-gather overlapped with the next forward pass (`_finish_param_gather` before anything
-    reads the weights). The switches exist for benchmarks/train_baseline.py's A/B runs; CPU
-    runs get neither."""
+    only, see `transformer_config`), QKV and fc1 biases added inside their GEMMs
+    (`model.GemmBiasColumnParallelLinear`) and, with the distributed optimizer at DP > 1, the
+    param all-gather overlapped with the next forward pass (`_finish_param_gather` before
+    anything reads the weights). The switches exist for benchmarks/train_baseline.py's A/B
+    runs; CPU runs get none of them."""
     dp = ps.get_data_parallel_world_size()
     config = transformer_config(
         spec,
@@ -136,7 +141,13 @@ def _build_model(
         use_cpu_init=CPU,
         fused=fused and bf16,
     )
-    model = build_gpt(spec, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    model = build_gpt(
+        spec,
+        config,
+        ps.is_pipeline_first_stage(),
+        ps.is_pipeline_last_stage(),
+        gemm_bias=gemm_bias and not CPU,
+    )
     if not CPU:
         model.cuda(torch.cuda.current_device())
     init_layout_independent(model, config, spec.training.seed)
