@@ -389,6 +389,12 @@ class Actuator:
             log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(run_id, attempt))
             return False
         with self.db.write_session() as s:
+            row = _attempt(s, run_id, attempt)
+            if row is not None and row.ended_at is None:
+                fields: dict[str, Any] = {"ended_at": datetime.now(UTC)}
+                if active:
+                    fields.update(state=AttemptState.CANCELLED, end_reason="cancelled by user")
+                store.update_attempt(s, run_id, attempt, **fields)
             store.transition_run(
                 s, run_id, RunState.CANCELLED, reason="cancelled by user", attempt=attempt
             )

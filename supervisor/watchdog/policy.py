@@ -125,14 +125,15 @@ def backoff_seconds(failures: int) -> float:
 
 
 def node_suspects(finding: Finding, prior: Sequence[PastRemedy], history: RunHistory) -> list[str]:
-    """Nodes that were part of every faulty attempt (and not yet excluded), worst first."""
-    if finding.nodes:
-        candidates = set(finding.nodes)
-    else:
-        candidates = set(history.attempt_nodes)
-        for r in prior:
-            if r.attempt_nodes:
-                candidates &= set(r.attempt_nodes)
+    """Nodes that were part of every faulty attempt (and not yet excluded), worst first.
+
+    A finding's nodes narrow the set but do not replace the earlier attempts' evidence: a hang
+    names every node of its job (all ranks stall in the collective), and only the node shared
+    with the earlier hung attempts is the suspect."""
+    candidates = set(finding.nodes or history.attempt_nodes)
+    for r in prior:
+        if r.attempt_nodes:
+            candidates &= set(r.attempt_nodes)
     candidates -= history.excluded_nodes
     return sorted(candidates, key=lambda n: (-history.node_strikes.get(n, 0), n))
 

@@ -205,8 +205,11 @@ def test_no_progress_cycle_escalates(rc: RecoverySpec) -> None:
     assert r.kind is RemedyKind.ESCALATE and "no progress" in r.reason
 
 
-def test_hang_restarts_then_excludes_common_node(rc: RecoverySpec) -> None:
-    hang = Finding(kind=FindingKind.HANG, summary="hang", last_healthy_step=100)
+@pytest.mark.parametrize("named", [(), NODES], ids=["no-nodes", "job-nodes"])
+def test_hang_restarts_then_excludes_common_node(rc: RecoverySpec, named: tuple) -> None:
+    """detect_hang names every node of the hung job (all ranks stall): only the node it shares
+    with the earlier hung attempt is the suspect, not the first name of the job."""
+    hang = Finding(kind=FindingKind.HANG, summary="hang", last_healthy_step=100, nodes=named)
     hist = RunHistory(attempt_nodes=NODES)
     assert decide(snap_at(100), [hang], hist, rc).kind is RemedyKind.RESTART
     again = RunHistory(

@@ -288,6 +288,9 @@ def test_cancel_request_cancels_the_job(db: Database, tmp_path: Path) -> None:
     rec.tick()
     assert cluster.cancelled == [job]
     assert get_run(db, run_id).state is RunState.CANCELLED
+    attempt = rows(db, Attempt, run_id)[-1]
+    assert attempt.state is AttemptState.CANCELLED and attempt.ended_at is not None
+    assert attempt.end_reason == "cancelled by user"
     rec.tick()
     assert cluster.cancelled == [job]
 
