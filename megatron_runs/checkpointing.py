@@ -7,6 +7,8 @@ Layout: `<dir>/iter_0000100/` published by renaming `<dir>/.tmp_iter_0000100/` a
 `nightwatch.json` (sizes of every file) is written and checked; `<dir>/latest` (step as text)
 is replaced last. A directory is a candidate only when its metadata says complete and every
 listed file still has its recorded size, so a truncated or half-copied checkpoint is skipped.
+`<dir>/pins/iter_0000100` (empty) keeps step 100 from retention: the watchdog pins a rollback's
+checkpoint before it stops the job that would otherwise prune it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ META_NAME = "nightwatch.json"
 LATEST_NAME = "latest"
 _PREFIX = "iter_"
 _TMP_PREFIX = ".tmp_iter_"
+PINS_NAME = "pins"
 
 
 @dataclass(frozen=True)
@@ -180,13 +183,44 @@ def publish(root: Path, step: int) -> Path:
     return dst
 
 
+def pin(root: Path | str, step: int) -> None:
+    """Keep `step` from retention (idempotent): the job being stopped saves and prunes on
+    until it dies, and a rollback's target must still be there for the next attempt."""
+    path = _pin_path(root, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+
+
+def pinned(root: Path | str) -> set[int]:
+    pins = Path(root) / PINS_NAME
+    if not pins.is_dir():
+        return set()
+    out = set()
+    for p in pins.iterdir():
+        if p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit():
+            out.add(int(p.name[len(_PREFIX) :]))
+    return out
+
+
+def unpin_below(root: Path | str, step: int) -> None:
+    """Drop pins older than `step`: an attempt that resumed at `step` has made them history."""
+    for old in pinned(root):
+        if old < step:
+            _pin_path(root, old).unlink(missing_ok=True)
+
+
+def _pin_path(root: Path | str, step: int) -> Path:
+    return Path(root) / PINS_NAME / f"{_PREFIX}{step:07d}"
+
+
 def retain(root: Path | str, keep_last: int, protect: set[int] | None = None) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints; return what was removed.
+    """Delete all but the newest `keep_last` complete checkpoints, the `protect`ed and the
+    pinned ones; return what was removed.
 
     Incomplete directories older than the newest complete one and stale temp dirs go too.
     """
     root = Path(root)
-    protect = protect or set()
+    protect = (protect or set()) | pinned(root)
     complete = list_checkpoints(root)
     keep = {c.step for c in complete[-keep_last:]} | protect
     newest = complete[-1].step if complete else -1

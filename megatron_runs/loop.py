@@ -309,6 +309,8 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         _fuse_adam(optimizer)
         step, cursor = loaded.step, loaded.consumed_samples
         log("checkpoint_loaded", step=step, path=str(info.path), seconds=time.perf_counter() - t0)
+        if rank == 0:
+            ck.unpin_below(root, step)
 
     metrics = None
     if ctx.metrics_port is not None and local_rank == 0:

@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from megatron_runs import checkpointing
 from supervisor import store
 from supervisor.auth import Scope
 from supervisor.db import Database
@@ -316,13 +317,15 @@ class Actuator:
                 f"[nightwatch] {ctx.run_id} NEEDS ATTENTION: {remedy.reason}", **notify
             )
             return True
+        with self.db.session() as s:
+            run = store.get_run(s, ctx.run_id)
+        if remedy.to_step:
+            self._pin_checkpoint(run, remedy.to_step, ctx)
         try:
             self._stop_job(ctx)
         except SourceUnavailable as exc:
             log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
             return False
-        with self.db.session() as s:
-            run = store.get_run(s, ctx.run_id)
         updates: dict[str, Any] = {}
         if remedy.kind is RemedyKind.ROLLBACK and remedy.skip_ranges:
             updates["skip_ranges_json"] = merge_ranges([*run.skip_ranges_json, *remedy.skip_ranges])
@@ -354,6 +357,16 @@ class Actuator:
         )
         self.notifier.send(f"[nightwatch] {ctx.run_id}: {remedy.reason}", **notify)
         return True
+
+    def _pin_checkpoint(self, run: Run, step: int, ctx: ActContext) -> None:
+        """Pin the checkpoint a remedy resumes from before stopping the job: until SLURM kills
+        it, that job saves and prunes on, and with a short interval it would delete the very
+        checkpoint the next attempt needs (the next attempt would then fall back further)."""
+        spec = RunSpec.model_validate(run.spec_json)
+        try:
+            checkpointing.pin(checkpoint_dir(self.config.home, run.id, spec), step)
+        except OSError as exc:  # the resume still falls back to an older checkpoint
+            log.warning(f"pin of step {step} failed: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
 
     def _stop_job(self, ctx: ActContext) -> None:
         if ctx.job_id and ctx.job_active:

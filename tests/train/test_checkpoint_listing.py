@@ -100,3 +100,25 @@ def test_resumed_from_survives_retention_and_resume_step_is_a_bound(tmp_path: Pa
     assert ck.choose(tmp_path, 25).step == 10  # type: ignore[union-attr]
     assert ck.choose(tmp_path, 5) is None
     assert ck.choose(tmp_path, 0) is None
+
+
+def test_a_pinned_checkpoint_survives_retention_until_an_attempt_resumes_past_it(
+    tmp_path: Path,
+) -> None:
+    """The watchdog pins a rollback's checkpoint before it stops the job, which saves and
+    prunes on until SLURM kills it; an attempt that resumed at a newer step drops the pin."""
+    for step in (10, 20, 30):
+        _fake_ckpt(tmp_path, step)
+    ck.pin(tmp_path, 20)
+    ck.pin(tmp_path, 20)  # idempotent: the actuator may redo an action after a crash
+    for step in (40, 50, 60):
+        _fake_ckpt(tmp_path, step)
+        ck.retain(tmp_path, keep_last=2)
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [20, 50, 60]
+    assert ck.choose(tmp_path, 20).step == 20  # type: ignore[union-attr]
+    ck.unpin_below(tmp_path, 20)
+    assert ck.pinned(tmp_path) == {20}
+    ck.unpin_below(tmp_path, 50)
+    assert ck.pinned(tmp_path) == set()
+    ck.retain(tmp_path, keep_last=2)
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [50, 60]

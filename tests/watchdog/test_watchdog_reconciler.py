@@ -11,6 +11,7 @@ from sqlalchemy import select
 from watchdog_curves import Faults, simulate
 from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
 
+from megatron_runs.checkpointing import pinned
 from supervisor import store
 from supervisor.db import Database
 from supervisor.models import (
@@ -314,6 +315,7 @@ def test_checkpoint_saved_past_a_rollback_is_never_resumed(db: Database, tmp_pat
     write_checkpoint(ckpt, 100, 800)
     source.samples[(run_id, 1)] = nan_samples(run_id)
     assert rec.tick().remedies[run_id].to_step == 100
+    assert pinned(ckpt) == {100}  # before the job was stopped: it could prune it otherwise
     write_checkpoint(ckpt, 120, 960)  # written by the cancelled job, after the decision
     job2 = cluster.submitted[-1][0]
     cluster.set(job2, JobState.PREEMPTED)
