@@ -202,10 +202,11 @@ def pinned(root: Path | str) -> set[int]:
     return out
 
 
-def unpin_below(root: Path | str, step: int) -> None:
-    """Drop pins older than `step`: an attempt that resumed at `step` has made them history."""
+def unpin_below(root: Path | str, step: int | None = None) -> None:
+    """Drop pins older than `step` (all without one): an attempt that resumed at `step` has
+    made them history, and a finished run needs none."""
     for old in pinned(root):
-        if old < step:
+        if step is None or old < step:
             _pin_path(root, old).unlink(missing_ok=True)
 
 
@@ -220,13 +221,14 @@ def retain(root: Path | str, keep_last: int, protect: set[int] | None = None) ->
     Incomplete directories older than the newest complete one and stale temp dirs go too.
     """
     root = Path(root)
-    protect = (protect or set()) | pinned(root)
     complete = list_checkpoints(root)
-    keep = {c.step for c in complete[-keep_last:]} | protect
+    keep = {c.step for c in complete[-keep_last:]} | (protect or set())
     newest = complete[-1].step if complete else -1
     removed = []
     for info in list_checkpoints(root, include_incomplete=True):
         if info.step in keep or (not info.complete and info.step > newest):
+            continue
+        if _pin_path(root, info.step).exists():  # looked up last: a pin may have just landed
             continue
         shutil.rmtree(info.path, ignore_errors=True)
         removed.append(info.path)

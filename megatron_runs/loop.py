@@ -310,7 +310,10 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         step, cursor = loaded.step, loaded.consumed_samples
         log("checkpoint_loaded", step=step, path=str(info.path), seconds=time.perf_counter() - t0)
         if rank == 0:
-            ck.unpin_below(root, step)
+            try:
+                ck.unpin_below(root, step)
+            except OSError as exc:  # housekeeping: never worth a crash loop
+                log("unpin_failed", error=repr(exc))
 
     metrics = None
     if ctx.metrics_port is not None and local_rank == 0:

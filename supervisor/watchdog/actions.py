@@ -362,11 +362,22 @@ class Actuator:
         """Pin the checkpoint a remedy resumes from before stopping the job: until SLURM kills
         it, that job saves and prunes on, and with a short interval it would delete the very
         checkpoint the next attempt needs (the next attempt would then fall back further)."""
-        spec = RunSpec.model_validate(run.spec_json)
         try:
-            checkpointing.pin(checkpoint_dir(self.config.home, run.id, spec), step)
+            checkpointing.pin(self._checkpoint_root(run), step)
         except OSError as exc:  # the resume still falls back to an older checkpoint
             log.warning(f"pin of step {step} failed: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
+
+    def _clear_pins(self, run_id: str, attempt: int) -> None:
+        """A finished run resumes no more: its pinned checkpoints may go with retention."""
+        with self.db.session() as s:
+            run = store.get_run(s, run_id)
+        try:
+            checkpointing.unpin_below(self._checkpoint_root(run))
+        except OSError as exc:
+            log.warning(f"clearing checkpoint pins failed: {exc}", extra=_ctx(run_id, attempt))
+
+    def _checkpoint_root(self, run: Run) -> Path:
+        return checkpoint_dir(self.config.home, run.id, RunSpec.model_validate(run.spec_json))
 
     def _stop_job(self, ctx: ActContext) -> None:
         if ctx.job_id and ctx.job_active:
@@ -403,14 +414,19 @@ class Actuator:
             return False
         with self.db.write_session() as s:
             row = _attempt(s, run_id, attempt)
-            if row is not None and row.ended_at is None:
-                fields: dict[str, Any] = {"ended_at": datetime.now(UTC)}
-                if active:
-                    fields.update(state=AttemptState.CANCELLED, end_reason="cancelled by user")
-                store.update_attempt(s, run_id, attempt, **fields)
+            if active and row is not None and row.ended_at is None:  # the job this cancel stopped
+                store.update_attempt(
+                    s,
+                    run_id,
+                    attempt,
+                    ended_at=datetime.now(UTC),
+                    state=AttemptState.CANCELLED,
+                    end_reason="cancelled by user",
+                )
             store.transition_run(
                 s, run_id, RunState.CANCELLED, reason="cancelled by user", attempt=attempt
             )
+        self._clear_pins(run_id, attempt)
         self._finish(key, True, {})
         return True
 
@@ -427,6 +443,7 @@ class Actuator:
                 attempt=attempt,
                 last_step=step,
             )
+        self._clear_pins(run_id, attempt)
         self._finish(key, True, {})
         self.notifier.send(f"[nightwatch] {run_id} succeeded at step {step}", run_id=run_id)
 

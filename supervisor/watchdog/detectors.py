@@ -487,15 +487,18 @@ def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
                 "waited_seconds": waited,
                 "limit_seconds": limit,
                 "metrics": snap.metrics.health.value,
+                "job_nodes": list(job.nodes),
             },
             fault_time=snap.attempt_started_at,
-            nodes=job.nodes,
         )
     ]
 
 
 def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
-    """No step finished for max(hang_factor × median step time, floor) while the job runs."""
+    """No step finished for max(hang_factor × median step time, floor) while the job runs.
+
+    Names no node: every rank stalls in the collective, so the job's nodes (in the evidence)
+    say nothing about which one hung; the policy intersects the hung attempts' nodes."""
     if not _metrics_ok(snap) or snap.job.health is not SourceHealth.UP:
         return []
     if snap.job.state is not JobState.RUNNING:
@@ -515,10 +518,14 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             kind=FindingKind.HANG,
             summary=f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}",
             cause=Cause.UNKNOWN,
-            evidence={"idle_seconds": idle, "limit_seconds": limit, "median_step_time": typical},
+            evidence={
+                "idle_seconds": idle,
+                "limit_seconds": limit,
+                "median_step_time": typical,
+                "job_nodes": list(snap.job.nodes),
+            },
             fault_time=latest.last_step_ts,
             last_healthy_step=latest.step,
-            nodes=snap.job.nodes,
         )
     ]
 

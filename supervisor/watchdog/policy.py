@@ -125,15 +125,14 @@ def backoff_seconds(failures: int) -> float:
 
 
 def node_suspects(finding: Finding, prior: Sequence[PastRemedy], history: RunHistory) -> list[str]:
-    """Nodes that were part of every faulty attempt (and not yet excluded), worst first.
-
-    A finding's nodes narrow the set but do not replace the earlier attempts' evidence: a hang
-    names every node of its job (all ranks stall in the collective), and only the node shared
-    with the earlier hung attempts is the suspect."""
-    candidates = set(finding.nodes or history.attempt_nodes)
-    for r in prior:
-        if r.attempt_nodes:
-            candidates &= set(r.attempt_nodes)
+    """Nodes that were part of every faulty attempt (and not yet excluded), worst first."""
+    if finding.nodes:
+        candidates = set(finding.nodes)
+    else:
+        candidates = set(history.attempt_nodes)
+        for r in prior:
+            if r.attempt_nodes:
+                candidates &= set(r.attempt_nodes)
     candidates -= history.excluded_nodes
     return sorted(candidates, key=lambda n: (-history.node_strikes.get(n, 0), n))
 
@@ -376,6 +375,12 @@ def _restart_then_nodes(
             history,
             rc,
             f"crash recurred on {', '.join(same)}",
+        )
+    if not node_suspects(finding, prior, history):
+        # No node was in every faulty attempt: like a crash on another node, not a node's fault
+        # (the restart budget bounds the loop).
+        return Remedy(
+            RemedyKind.RESTART, f"{finding.summary} (on other nodes than before)", finding=finding
         )
     return _node_ladder(
         finding, prior, history, rc, f"{finding.kind.value} recurred after {len(prior)} remedies"

@@ -170,6 +170,8 @@ def test_hang_uses_median_step_time_with_a_floor(rc: RecoverySpec) -> None:
     # 50 steps × 10 s of silence vs a limit of max(10 × ~10 s, 60 s) = ~100 s.
     (f,) = detect_hang(snapshot(samples), rc)
     assert f.kind is FindingKind.HANG and f.last_healthy_step == 150
+    # Every rank stalls in the collective: the job's nodes are evidence, not a blame.
+    assert f.nodes == () and f.evidence["job_nodes"] == list(snapshot(samples).job.nodes)
     assert f.evidence["idle_seconds"] > f.evidence["limit_seconds"] >= 90
     assert hung_for > 400
     just_started = snapshot(samples, now=last.last_step_ts + 30)  # type: ignore[operator]
@@ -278,7 +280,7 @@ def test_startup_hang_after_ten_floors_without_a_first_step(rc: RecoverySpec) ->
     assert detect_startup_hang(waiting, rc) == []
     stuck = dataclasses.replace(waiting, now=started + limit + 1)
     (f,) = detect_startup_hang(stuck, rc)
-    assert f.kind is FindingKind.HANG and f.fault_time == started
+    assert f.kind is FindingKind.HANG and f.fault_time == started and f.nodes == ()
     # Progress seen, a failed metrics source, or no running job: not a startup hang.
     trained = simulate(1, steps=10)
     progressed = dataclasses.replace(stuck, metrics=snapshot(trained).metrics)

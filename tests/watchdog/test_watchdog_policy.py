@@ -205,11 +205,8 @@ def test_no_progress_cycle_escalates(rc: RecoverySpec) -> None:
     assert r.kind is RemedyKind.ESCALATE and "no progress" in r.reason
 
 
-@pytest.mark.parametrize("named", [(), NODES], ids=["no-nodes", "job-nodes"])
-def test_hang_restarts_then_excludes_common_node(rc: RecoverySpec, named: tuple) -> None:
-    """detect_hang names every node of the hung job (all ranks stall): only the node it shares
-    with the earlier hung attempt is the suspect, not the first name of the job."""
-    hang = Finding(kind=FindingKind.HANG, summary="hang", last_healthy_step=100, nodes=named)
+def test_hang_restarts_then_excludes_common_node(rc: RecoverySpec) -> None:
+    hang = Finding(kind=FindingKind.HANG, summary="hang", last_healthy_step=100)
     hist = RunHistory(attempt_nodes=NODES)
     assert decide(snap_at(100), [hang], hist, rc).kind is RemedyKind.RESTART
     again = RunHistory(
@@ -220,6 +217,19 @@ def test_hang_restarts_then_excludes_common_node(rc: RecoverySpec, named: tuple)
     )
     r = decide(snap_at(100), [hang], again, rc)
     assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n2",)
+
+
+def test_hang_recurring_on_other_nodes_restarts_again(rc: RecoverySpec) -> None:
+    """No node was in both hung attempts: nobody to blame, and not a reason to page."""
+    hang = Finding(kind=FindingKind.HANG, summary="hang", last_healthy_step=100)
+    hist = RunHistory(
+        remedies=(
+            past(RemedyKind.RESTART, FindingKind.HANG, step=100, attempt_nodes=("n3", "n4")),
+        ),
+        attempt_nodes=NODES,
+    )
+    r = decide(snap_at(100), [hang], hist, rc)
+    assert r.kind is RemedyKind.RESTART and "other nodes" in r.reason
 
 
 def test_exclusion_budget_escalates(rc: RecoverySpec) -> None:

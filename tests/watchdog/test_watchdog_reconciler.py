@@ -156,6 +156,7 @@ def test_incident_closed_at_completion_still_counts_steps_lost(
     write_checkpoint(ckpt, 100, 800)
     source.samples[(run_id, 1)] = nan_samples(run_id)
     assert rec.tick().remedies[run_id].kind is RemedyKind.ROLLBACK
+    assert pinned(ckpt) == {100}
     job2 = cluster.submitted[-1][0]
     cluster.set(job2, JobState.RUNNING)
     rec.tick()  # no sample of attempt 2 ever arrives
@@ -163,6 +164,7 @@ def test_incident_closed_at_completion_still_counts_steps_lost(
     cluster.set(job2, JobState.COMPLETED, exit_code=0)
     rec.tick()
     assert get_run(db, run_id).state is RunState.SUCCEEDED
+    assert pinned(ckpt) == set()  # a finished run resumes no more
     (incident,) = rows(db, Incident, run_id)
     assert incident.state is IncidentState.RECOVERED and incident.recovered_ts is not None
     assert incident.steps_lost == 30  # reached 130, resumed from 100
