@@ -96,7 +96,10 @@ def drive(
                 note = f"injection failed: {exc}"
             fired = time.time()
             next_allowed = fired + settle_s(fault, min_gap_s)
-            done.append(Injection(fault, fired, note))
+            hit = None  # a node death lands on one of the job's nodes (see Injector)
+            if fault.kind is FaultKind.NODE_DEATH and injector.dead_nodes:
+                hit = injector.dead_nodes[-1]
+            done.append(Injection(fault, fired, note, hit))
             say(f"{fault.kind.value} at step {step}: {note}")
         for label in injector.tick(now):
             say(label)

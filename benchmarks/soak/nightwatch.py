@@ -135,7 +135,13 @@ def recorded_remedies(supervisor: Supervisor, run_id: str) -> tuple[list[Remedy]
             run = s.get(Run, run_id)
             needs_attention = run is not None and run.state.value == "needs_attention"
             remedies = [
-                Remedy(a.created_at.timestamp(), a.kind) for a in actions if a.kind in REMEDY_KINDS
+                Remedy(
+                    a.created_at.timestamp(),
+                    a.kind,
+                    tuple((a.evidence_json or {}).get("exclude_nodes", ())),
+                )
+                for a in actions
+                if a.kind in REMEDY_KINDS
             ]
     finally:
         db.dispose()

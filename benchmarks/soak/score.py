@@ -7,7 +7,7 @@ Definitions (the same for Nightwatch and the baseline):
   each recovery happens inside its own window); remedies in the window belong to the fault.
 - detected: some remedy was taken in the window; detection latency: first remedy − fault time.
 - cured by: the last remedy of the window; right action: it is one of `schedule.CURES[kind]`
-  (infra faults: no remedy at all is the right action).
+  (infra faults: no remedy at all is the right action), and an exclusion names the faulty node.
 - recovered: a process group that started after the last remedy trained past its resume
   step; MTTR = that moment − fault time.
 - steps lost: for each restart in the window, the step the previous run had reached minus the
@@ -44,6 +44,7 @@ class Remedy:
 
     t: float
     kind: str
+    nodes: tuple[str, ...] = ()  # what an exclusion named
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,11 @@ class Injection:
     fault: ScheduledFault
     t: float | None
     note: str = ""
+    node: str | None = None  # the node it hit, where the injector chose another than scheduled
+
+    @property
+    def faulty_node(self) -> str | None:
+        return self.node or self.fault.params.get("node")
 
 
 @dataclass(frozen=True)
@@ -156,12 +162,18 @@ def score_fault(
         detected=bool(mine),
         detection_latency_s=(mine[0].t - t0) if mine else None,
         cured_by=cured_by,
-        right_action=cured_by in CURES[kind],
+        right_action=cured_by in CURES[kind] and _right_node(inj, mine[-1] if mine else None),
         recovered=recovered_t is not None,
         mttr_s=None if recovered_t is None else recovered_t - t0,
         steps_lost=lost,
         note=inj.note,
     )
+
+
+def _right_node(inj: Injection, cure: Remedy | None) -> bool:
+    """An exclusion cures a node fault only when it names the faulty node."""
+    node = inj.faulty_node
+    return cure is None or cure.kind != "exclude_node" or node is None or node in cure.nodes
 
 
 def _recovery(progress: Progress, starts: Sequence[Any], t1: float) -> float | None:

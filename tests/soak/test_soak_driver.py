@@ -17,6 +17,7 @@ class Recorder:
     def __init__(self) -> None:
         self.injected: list[tuple[FaultKind, float]] = []
         self.followups: list[FollowUp] = []
+        self.dead_nodes: list[str] = []
 
     def inject(self, fault: ScheduledFault, job: JobView) -> str:
         self.injected.append((fault.kind, driver.time.time()))

@@ -16,6 +16,7 @@ from benchmarks.soak.schedule import FaultKind, ScheduledFault
 from benchmarks.soak.score import (
     Injection,
     Remedy,
+    SystemScore,
     comparison,
     score_system,
     steps_lost,
@@ -136,14 +137,20 @@ def test_nan_node_fault_counts_from_when_the_job_first_ran_on_the_node() -> None
         if e.incarnation == "2/2" and e.step in (61, 62):
             p.steps[i] = StepEvent(e.t, e.step, e.loss, e.incarnation, skipped_update=True)
     nan = Injection(ScheduledFault(FaultKind.NAN_NODE, 30, {"node": "n1"}), None)
-    s = score_system(
-        "nightwatch", injections=[nan], progress=p, remedies=[Remedy(125.0, "exclude_node")],
-        escalations=0, submit_t=0.0, end_t=200.0, target_steps=100, reference=REF,
-        reference_submit_t=0.0,
-    )  # fmt: skip
+
+    def scored(excluded: tuple[str, ...]) -> SystemScore:
+        return score_system(
+            "nightwatch", injections=[nan], progress=p,
+            remedies=[Remedy(125.0, "exclude_node", excluded)], escalations=0, submit_t=0.0,
+            end_t=200.0, target_steps=100, reference=REF, reference_submit_t=0.0,
+        )  # fmt: skip
+
+    s = scored(("n1",))
     (score,) = s.faults
     assert score.fault_t == 120 and score.detection_latency_s == 5
     assert score.right_action and s.false_positives == 0
+    # Excluding a healthy node is the wrong action, however the fault then went away.
+    assert not scored(("n2",)).faults[0].right_action
     clean = score_system(
         "nightwatch", injections=[nan], progress=REF, remedies=[], escalations=0,
         submit_t=0.0, end_t=101.0, target_steps=100, reference=REF, reference_submit_t=0.0,
