@@ -70,6 +70,38 @@ def test_spec_faults_are_armed_and_external_faults_wait_their_gap(
     assert kinds[-1] == (FaultKind.PREEMPTION, "not reached")
 
 
+def test_a_delayed_external_fault_waits_behind_a_spec_fault_due_within_the_gap(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Seen in the seed-7 soak: a supervisor kill held back by a walltime cut fired at step
+    837, one step before a hang armed at 838, and the hang's restart was scored in both
+    windows. The external fault now goes after the spec-side one, a gap later."""
+    clock = iter(range(1000, 2000, 10))
+    monkeypatch.setattr(driver.time, "time", lambda: float(next(clock)))
+    monkeypatch.setattr(driver.time, "sleep", lambda s: None)
+    write_steps(tmp_path / "1_0_log.out", 50)  # one step a second
+    faults = [
+        ScheduledFault(FaultKind.SUPERVISOR_KILL, 20, {}),
+        ScheduledFault(FaultKind.HANG, 45, {"node": "n2"}),
+        ScheduledFault(FaultKind.RANK_CRASH, 48, {"rank": 0}),
+    ]
+    turns = iter(range(100))
+    rec = Recorder()
+    injections, _ = driver.drive(
+        faults,
+        LogFollower(tmp_path, "*_0_log.out"),
+        lambda: JobView("1", ("n1", "n2"), tmp_path),
+        lambda: "succeeded" if next(turns) >= 12 else None,
+        rec,  # type: ignore[arg-type]
+        deadline=10**9,
+        say=lambda msg: None,
+        min_gap_s=30,
+    )
+    order = [i.fault.kind for i in injections]
+    assert order == [FaultKind.HANG, FaultKind.SUPERVISOR_KILL, FaultKind.RANK_CRASH]
+    assert [k for k, _ in rec.injected] == [FaultKind.SUPERVISOR_KILL, FaultKind.RANK_CRASH]
+
+
 def test_slow_faults_settle_longer_before_the_next_one() -> None:
     assert driver.settle_s(ScheduledFault(FaultKind.RANK_CRASH, 5, {}), 30) == 30
     assert driver.settle_s(ScheduledFault(FaultKind.WALLTIME, 5, {}), 30) == 120
