@@ -456,12 +456,23 @@ def median_step_time(samples: Sequence[MetricSample]) -> float | None:
 
 
 #: A job may take this many hang floors from start to its first step (imports, rendezvous,
-#: checkpoint load) before it counts as hung at startup.
+#: checkpoint load) before it counts as hung at startup, unless the run has shown how long
+#: its startups take: then STARTUP_MARGIN × the slowest one, at least two floors.
 STARTUP_FLOORS = 10
+STARTUP_MARGIN = 3.0
+
+
+def startup_limit(rc: RecoverySpec, seen: float | None) -> float:
+    """Seconds from start to first step before a job counts as hung at startup."""
+    default = STARTUP_FLOORS * rc.hang_floor_seconds
+    if seen is None or seen <= 0:
+        return default
+    return min(default, max(2 * rc.hang_floor_seconds, STARTUP_MARGIN * seen))
 
 
 def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
-    """Running for STARTUP_FLOORS × hang floor without finishing a first step.
+    """Running for `startup_limit` (10 hang floors, or 3 × the run's slowest startup seen)
+    without finishing a first step.
 
     Needs SLURM's word that the job runs and a metrics source that answered (UP, or up with
     no series for the run yet); a failed or stale source convicts nothing."""
@@ -475,7 +486,7 @@ def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     if any(s.last_step_ts for s in snap.metrics.samples):
         return []
     waited = snap.now - snap.attempt_started_at
-    limit = STARTUP_FLOORS * rc.hang_floor_seconds
+    limit = startup_limit(rc, snap.startup_seconds_seen)
     if waited <= limit:
         return []
     return [

@@ -338,6 +338,8 @@ class Reconciler:
         self._known_ckpt: dict[str, int] = {}
         self._ckpt_dirs: dict[str, Path] = {}
         self._log_causes: dict[tuple[str, int], LogCause] = {}
+        self._startup_seen: dict[str, float] = {}  # run → slowest start → first step (s)
+        self._startup_noted: dict[str, int] = {}  # run → last attempt measured
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -563,6 +565,22 @@ class Reconciler:
         failed_at = _ts(attempt.ended_at) or now
         return now >= failed_at + backoff_seconds(attempt.number)
 
+    def _note_startup(self, run_id: str, attempt: Attempt, view: MetricsView) -> None:
+        """Once per attempt, at its first sample: how long it took from start to first step.
+
+        Kept in memory (a restarted supervisor falls back to the conservative default); an
+        attempt first seen long after its start overestimates, which only loosens the limit."""
+        started = _ts(attempt.started_at)
+        if started is None or self._startup_noted.get(run_id, 0) >= attempt.number:
+            return
+        stamps = [s.last_step_ts for s in view.samples if s.last_step_ts]
+        if not stamps:
+            return
+        self._startup_noted[run_id] = attempt.number
+        took = min(stamps) - started
+        if took > 0:
+            self._startup_seen[run_id] = max(took, self._startup_seen.get(run_id, 0.0))
+
     def _checkpoints(self, run: Run, spec: RunSpec) -> list[CheckpointRef]:
         """Complete checkpoints on disk (oldest first); new ones are recorded in the DB."""
         from megatron_runs.checkpointing import list_checkpoints
@@ -633,6 +651,7 @@ class Reconciler:
             log_cause=self._log_cause(run, attempt, status, view),
         )
         self._record_attempt(run, attempt, job)
+        self._note_startup(run.id, attempt, view)
         snap = Snapshot(
             run_id=run.id,
             attempt=attempt.number,
@@ -644,6 +663,7 @@ class Reconciler:
             target_steps=run.target_steps,
             disk_checkpoint_step=disk_step,
             attempt_started_at=_ts(attempt.started_at),
+            startup_seconds_seen=self._startup_seen.get(run.id),
         )
         self._check_recovery(run, attempt, view, incidents, now)
         if (
@@ -654,6 +674,8 @@ class Reconciler:
             self.actuator.complete_run(run.id, attempt.number, disk_step)
             self._close_incidents(incidents, now)
             self.metrics.forget_run(run.id)
+            self._startup_seen.pop(run.id, None)
+            self._startup_noted.pop(run.id, None)
             return
         self._export_run(run, checkpoints, now)
         findings = detect_all(snap, spec.recovery)

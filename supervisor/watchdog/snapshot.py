@@ -131,6 +131,8 @@ class Snapshot:
     target_steps: int | None = None
     disk_checkpoint_step: int | None = None  # newest complete checkpoint on disk
     attempt_started_at: float | None = None  # when SLURM was first seen running the job
+    # Slowest start → first step of this run's attempts seen by this supervisor process.
+    startup_seconds_seen: float | None = None
 
 
 class FindingKind(enum.StrEnum):

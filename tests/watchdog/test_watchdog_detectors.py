@@ -23,6 +23,7 @@ from supervisor.watchdog.detectors import (
     detect_startup_hang,
     detect_straggler,
     detect_throughput_drop,
+    startup_limit,
 )
 from supervisor.watchdog.policy import rollback_target
 from supervisor.watchdog.snapshot import (
@@ -270,6 +271,14 @@ def test_by_step_dedupes_repeated_scrapes_and_restarts(rc: RecoverySpec) -> None
     placeholder = dataclasses.replace(samples[0], step=10, loss=0.0, last_step_ts=0.0)
     assert [s.step for s in by_step([placeholder, *samples[10:13]])] == [11, 12, 13]
     assert math.isfinite(samples[0].loss or math.nan)
+
+
+def test_startup_limit_learns_from_the_runs_startups_within_bounds(rc: RecoverySpec) -> None:
+    floor = rc.hang_floor_seconds
+    assert startup_limit(rc, None) == 10 * floor  # nothing seen yet: conservative
+    assert startup_limit(rc, 1.0) == 2 * floor  # never below two floors
+    assert startup_limit(rc, floor) == 3 * floor  # 3 × the slowest startup seen
+    assert startup_limit(rc, 100 * floor) == 10 * floor  # never above the default
 
 
 def test_startup_hang_after_ten_floors_without_a_first_step(rc: RecoverySpec) -> None:

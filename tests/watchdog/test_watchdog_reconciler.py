@@ -33,7 +33,7 @@ from supervisor.spec import RunSpec
 from supervisor.watchdog import accounting
 from supervisor.watchdog.actions import checkpoint_dir
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig, log_cause
-from supervisor.watchdog.snapshot import Cause, MetricSample, RemedyKind
+from supervisor.watchdog.snapshot import Cause, FindingKind, MetricSample, RemedyKind
 
 
 def make(
@@ -418,6 +418,41 @@ def test_peer_crash_in_the_log_restarts_and_never_excludes_an_address(
     assert result.findings[run_id][0].nodes == ("n2",)
     _, request = cluster.submitted[-1]
     assert request.exclude == () and get_run(db, run_id).excluded_nodes_json == []
+
+
+def test_startup_hang_limit_is_learned_from_the_runs_own_startups(
+    db: Database, tmp_path: Path
+) -> None:
+    """S5 in the seed-7 soak: a job placed on a node that hangs before the first step was
+    judged only after 10 hang floors. Attempt 1 took 15 s to its first step, so attempt 2 is
+    hung after max(2 floors, 3 × 15 s) = 120 s (floor 60 s), not after 600 s."""
+    cluster, source = FakeCluster(), FakeSource()
+    offset = [0.0]
+    config = WatchdogConfig(home=tmp_path / "home", lease_ttl_s=60)
+    rec = Reconciler(
+        db, cluster, source, config, registry=CollectorRegistry(),
+        clock=lambda: time.time() + offset[0],
+    )  # fmt: skip
+    run_id = new_run(db)
+    rec.tick()
+    job = cluster.submitted[-1][0]
+    cluster.set(job, JobState.RUNNING)
+    rec.tick()
+    started = rows(db, Attempt, run_id)[-1].started_at.timestamp()
+    first = MetricSample(t=started + 16, step=1, loss=5.0, last_step_ts=started + 15)
+    source.samples[(run_id, 1)] = [first]
+    rec.tick()
+    cluster.set(job, JobState.FAILED, exit_code=1)
+    assert rec.tick().remedies[run_id].kind is RemedyKind.RESTART
+    job2 = cluster.submitted[-1][0]
+    cluster.set(job2, JobState.RUNNING)
+    rec.tick()
+    started2 = rows(db, Attempt, run_id)[-1].started_at.timestamp()
+    offset[0] = started2 + 110 - time.time()
+    assert run_id not in rec.tick().findings
+    offset[0] = started2 + 130 - time.time()
+    (finding,) = rec.tick().findings[run_id]
+    assert finding.kind is FindingKind.HANG and "no first step" in finding.summary
 
 
 def test_failing_first_submission_backs_off_and_escalates(db: Database, tmp_path: Path) -> None:
