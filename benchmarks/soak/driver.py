@@ -17,7 +17,7 @@ from typing import Any
 from benchmarks.soak.faults import Injector, JobView
 from benchmarks.soak.progress import LogFollower, Progress
 from benchmarks.soak.schedule import FaultKind, ScheduledFault
-from benchmarks.soak.score import Injection, Remedy, median_step_s
+from benchmarks.soak.score import Injection, Remedy
 
 POLL_S = 0.5
 MIN_GAP_S = 30.0
@@ -56,12 +56,12 @@ def end_time(progress: Progress, target: int, fallback: float) -> float:
     return ev.t if ev is not None else fallback
 
 
-def _overlaps_spec_fault(
-    pending: Sequence[ScheduledFault], step: int, step_s: float | None, min_gap_s: float
-) -> bool:
-    """The next spec-side fault is due within `min_gap_s` of training from `step`."""
+def _overlaps_spec_fault(pending: Sequence[ScheduledFault], step: int) -> bool:
+    """`pending[0]`, due at `step`, was held back so long that less than half of its scheduled
+    distance to the next spec-side fault is left (the schedule spaces faults on purpose; an
+    on-time fault keeps its distance whatever the step time)."""
     spec = next((f for f in pending[1:] if f.spec_side), None)
-    return spec is not None and step_s is not None and (spec.at_step - step) * step_s < min_gap_s
+    return spec is not None and spec.at_step - step < (spec.at_step - pending[0].at_step) / 2
 
 
 def drive(
@@ -97,9 +97,9 @@ def drive(
                 continue
             if now < next_allowed:
                 break
-            if _overlaps_spec_fault(pending, step, median_step_s(progress), min_gap_s):
-                # A delayed external fault would land on a spec-side one due within the gap
-                # (their remedies would share a window): let the spec-side fault go first.
+            if _overlaps_spec_fault(pending, step):
+                # A delayed external fault would land on the spec-side one after it (their
+                # remedies would share a window): let the spec-side fault go first.
                 held = pending.pop(0)
                 spec = next(f for f in pending if f.spec_side)
                 pending.insert(pending.index(spec) + 1, held)

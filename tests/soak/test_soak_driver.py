@@ -102,6 +102,21 @@ def test_a_delayed_external_fault_waits_behind_a_spec_fault_due_within_the_gap(
     assert [k for k, _ in rec.injected] == [FaultKind.SUPERVISOR_KILL, FaultKind.RANK_CRASH]
 
 
+def test_only_a_fault_held_back_past_half_its_distance_gives_way() -> None:
+    """The short soak's crash at step 27 fires on time although the NaN node armed at 71 is
+    only seconds of training away; the seed-7 kill scheduled at 473, held back to 837, gives
+    way to the hang at 838."""
+    crash = ScheduledFault(FaultKind.RANK_CRASH, 27, {"rank": 3})
+    nan = ScheduledFault(FaultKind.NAN_NODE, 71, {"node": "n1"})
+    assert not driver._overlaps_spec_fault([crash, nan], 27)
+    assert not driver._overlaps_spec_fault([crash, nan], 48)
+    assert driver._overlaps_spec_fault([crash, nan], 50)
+    kill = ScheduledFault(FaultKind.SUPERVISOR_KILL, 473, {})
+    hang = ScheduledFault(FaultKind.HANG, 838, {"node": "n2"})
+    assert driver._overlaps_spec_fault([kill, hang], 837)
+    assert not driver._overlaps_spec_fault([kill, ScheduledFault(FaultKind.PREEMPTION, 838)], 837)
+
+
 def test_slow_faults_settle_longer_before_the_next_one() -> None:
     assert driver.settle_s(ScheduledFault(FaultKind.RANK_CRASH, 5, {}), 30) == 30
     assert driver.settle_s(ScheduledFault(FaultKind.WALLTIME, 5, {}), 30) == 120
