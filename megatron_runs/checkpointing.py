@@ -107,11 +107,8 @@ def verify(ckpt: Path) -> str | None:
 def read_info(ckpt: Path) -> CheckpointInfo | None:
     """Metadata of one `iter_*` directory (complete or not); None if it is not one."""
     ckpt = Path(ckpt)
-    if not ckpt.name.startswith(_PREFIX):
-        return None
-    try:
-        step = int(ckpt.name[len(_PREFIX) :])
-    except ValueError:
+    step = _step_of(ckpt.name)
+    if step is None:
         return None
     problem = verify(ckpt)
     try:
@@ -195,11 +192,8 @@ def pinned(root: Path | str) -> set[int]:
     pins = Path(root) / PINS_NAME
     if not pins.is_dir():
         return set()
-    out = set()
-    for p in pins.iterdir():
-        if p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit():
-            out.add(int(p.name[len(_PREFIX) :]))
-    return out
+    steps = (_step_of(p.name) for p in pins.iterdir())
+    return {step for step in steps if step is not None}
 
 
 def unpin_below(root: Path | str, step: int | None = None) -> None:
@@ -211,7 +205,17 @@ def unpin_below(root: Path | str, step: int | None = None) -> None:
 
 
 def _pin_path(root: Path | str, step: int) -> Path:
-    return Path(root) / PINS_NAME / f"{_PREFIX}{step:07d}"
+    return step_dir(Path(root) / PINS_NAME, step)
+
+
+def _step_of(name: str) -> int | None:
+    """The step an `iter_*` name stands for; None for any other name."""
+    if not name.startswith(_PREFIX):
+        return None
+    try:
+        return int(name[len(_PREFIX) :])
+    except ValueError:
+        return None
 
 
 def retain(root: Path | str, keep_last: int, protect: set[int] | None = None) -> list[Path]:

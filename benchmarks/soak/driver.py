@@ -56,12 +56,14 @@ def end_time(progress: Progress, target: int, fallback: float) -> float:
     return ev.t if ev is not None else fallback
 
 
-def _overlaps_spec_fault(pending: Sequence[ScheduledFault], step: int) -> bool:
-    """`pending[0]`, due at `step`, was held back so long that less than half of its scheduled
-    distance to the next spec-side fault is left (the schedule spaces faults on purpose; an
-    on-time fault keeps its distance whatever the step time)."""
+def _gives_way_to(pending: Sequence[ScheduledFault], step: int) -> ScheduledFault | None:
+    """The next spec-side fault, when `pending[0]`, due at `step`, was held back so long that
+    less than half of its scheduled distance to it is left (the schedule spaces faults on
+    purpose; an on-time fault keeps its distance whatever the step time)."""
     spec = next((f for f in pending[1:] if f.spec_side), None)
-    return spec is not None and spec.at_step - step < (spec.at_step - pending[0].at_step) / 2
+    if spec is not None and spec.at_step - step < (spec.at_step - pending[0].at_step) / 2:
+        return spec
+    return None
 
 
 def drive(
@@ -97,11 +99,11 @@ def drive(
                 continue
             if now < next_allowed:
                 break
-            if _overlaps_spec_fault(pending, step):
+            spec = _gives_way_to(pending, step)
+            if spec is not None:
                 # A delayed external fault would land on the spec-side one after it (their
                 # remedies would share a window): let the spec-side fault go first.
                 held = pending.pop(0)
-                spec = next(f for f in pending if f.spec_side)
                 pending.insert(pending.index(spec) + 1, held)
                 break
             pending.pop(0)

@@ -376,15 +376,15 @@ def _restart_then_nodes(
             rc,
             f"crash recurred on {', '.join(same)}",
         )
-    if not node_suspects(finding, prior, history):
+    suspects = node_suspects(finding, prior, history)
+    if not suspects:
         # No node was in every faulty attempt: like a crash on another node, not a node's fault
         # (the restart budget bounds the loop).
         return Remedy(
             RemedyKind.RESTART, f"{finding.summary} (on other nodes than before)", finding=finding
         )
-    return _node_ladder(
-        finding, prior, history, rc, f"{finding.kind.value} recurred after {len(prior)} remedies"
-    )
+    why = f"{finding.kind.value} recurred after {len(prior)} remedies"
+    return _exclude(suspects[:1], finding, history, rc, why)
 
 
 def decide(

@@ -36,19 +36,15 @@ def write_steps(log: Path, upto: int) -> None:
     log.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
-def test_spec_faults_are_armed_and_external_faults_wait_their_gap(
-    tmp_path: Path, monkeypatch
-) -> None:
-    clock = iter(range(1000, 2000, 10))  # every loop turn is 10 s later
+def drive_scripted(
+    tmp_path: Path, monkeypatch, faults: list[ScheduledFault]
+) -> tuple[Recorder, list, str]:
+    """`driver.drive` over a log of 50 steps (one a second, all there at once), every loop
+    turn 10 s later, the run succeeding at the 12th turn, a 30 s gap between faults."""
+    clock = iter(range(1000, 2000, 10))
     monkeypatch.setattr(driver.time, "time", lambda: float(next(clock)))
     monkeypatch.setattr(driver.time, "sleep", lambda s: None)
     write_steps(tmp_path / "1_0_log.out", 50)
-    faults = [
-        ScheduledFault(FaultKind.POISON_DATA, 10, {}),
-        ScheduledFault(FaultKind.RANK_CRASH, 12, {"rank": 0}),
-        ScheduledFault(FaultKind.NODE_DEATH, 40, {"node": "n1"}),
-        ScheduledFault(FaultKind.PREEMPTION, 99, {}),
-    ]
     turns = iter(range(100))
     rec = Recorder()
     injections, state = driver.drive(
@@ -61,6 +57,19 @@ def test_spec_faults_are_armed_and_external_faults_wait_their_gap(
         say=lambda msg: None,
         min_gap_s=30,
     )
+    return rec, injections, state
+
+
+def test_spec_faults_are_armed_and_external_faults_wait_their_gap(
+    tmp_path: Path, monkeypatch
+) -> None:
+    faults = [
+        ScheduledFault(FaultKind.POISON_DATA, 10, {}),
+        ScheduledFault(FaultKind.RANK_CRASH, 12, {"rank": 0}),
+        ScheduledFault(FaultKind.NODE_DEATH, 40, {"node": "n1"}),
+        ScheduledFault(FaultKind.PREEMPTION, 99, {}),
+    ]
+    rec, injections, state = drive_scripted(tmp_path, monkeypatch, faults)
     assert state == "succeeded"
     assert [k for k, _ in rec.injected] == [FaultKind.RANK_CRASH, FaultKind.NODE_DEATH]
     (_, crash_t), (_, death_t) = rec.injected
@@ -76,27 +85,12 @@ def test_a_delayed_external_fault_waits_behind_a_spec_fault_due_within_the_gap(
     """Seen in the seed-7 soak: a supervisor kill held back by a walltime cut fired at step
     837, one step before a hang armed at 838, and the hang's restart was scored in both
     windows. The external fault now goes after the spec-side one, a gap later."""
-    clock = iter(range(1000, 2000, 10))
-    monkeypatch.setattr(driver.time, "time", lambda: float(next(clock)))
-    monkeypatch.setattr(driver.time, "sleep", lambda s: None)
-    write_steps(tmp_path / "1_0_log.out", 50)  # one step a second
     faults = [
         ScheduledFault(FaultKind.SUPERVISOR_KILL, 20, {}),
         ScheduledFault(FaultKind.HANG, 45, {"node": "n2"}),
         ScheduledFault(FaultKind.RANK_CRASH, 48, {"rank": 0}),
     ]
-    turns = iter(range(100))
-    rec = Recorder()
-    injections, _ = driver.drive(
-        faults,
-        LogFollower(tmp_path, "*_0_log.out"),
-        lambda: JobView("1", ("n1", "n2"), tmp_path),
-        lambda: "succeeded" if next(turns) >= 12 else None,
-        rec,  # type: ignore[arg-type]
-        deadline=10**9,
-        say=lambda msg: None,
-        min_gap_s=30,
-    )
+    rec, injections, _ = drive_scripted(tmp_path, monkeypatch, faults)
     order = [i.fault.kind for i in injections]
     assert order == [FaultKind.HANG, FaultKind.SUPERVISOR_KILL, FaultKind.RANK_CRASH]
     assert [k for k, _ in rec.injected] == [FaultKind.SUPERVISOR_KILL, FaultKind.RANK_CRASH]
@@ -108,13 +102,13 @@ def test_only_a_fault_held_back_past_half_its_distance_gives_way() -> None:
     way to the hang at 838."""
     crash = ScheduledFault(FaultKind.RANK_CRASH, 27, {"rank": 3})
     nan = ScheduledFault(FaultKind.NAN_NODE, 71, {"node": "n1"})
-    assert not driver._overlaps_spec_fault([crash, nan], 27)
-    assert not driver._overlaps_spec_fault([crash, nan], 48)
-    assert driver._overlaps_spec_fault([crash, nan], 50)
+    assert driver._gives_way_to([crash, nan], 27) is None
+    assert driver._gives_way_to([crash, nan], 48) is None
+    assert driver._gives_way_to([crash, nan], 50) == nan
     kill = ScheduledFault(FaultKind.SUPERVISOR_KILL, 473, {})
     hang = ScheduledFault(FaultKind.HANG, 838, {"node": "n2"})
-    assert driver._overlaps_spec_fault([kill, hang], 837)
-    assert not driver._overlaps_spec_fault([kill, ScheduledFault(FaultKind.PREEMPTION, 838)], 837)
+    assert driver._gives_way_to([kill, hang], 837) == hang
+    assert driver._gives_way_to([kill, ScheduledFault(FaultKind.PREEMPTION, 838)], 837) is None
 
 
 def test_slow_faults_settle_longer_before_the_next_one() -> None:
