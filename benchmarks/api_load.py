@@ -64,6 +64,11 @@ class Result:
     """Server process CPU time per request: what one request costs, whatever the load."""
     client_cpu_ms: float
     """This process's CPU time per request: the load generator's share of the 2 cores."""
+    steal_pct: float
+    """CPU time the VM's host took from this machine during the phase (% of all CPUs): a
+    neighbour's load that can inflate the tail without any change here."""
+    connections_opened: int | None
+    """PostgreSQL sessions opened during the phase (each forks a backend); None on SQLite."""
 
     @property
     def rps(self) -> float:
@@ -222,6 +227,22 @@ def _cpu(server: psutil.Process) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
+def _sessions(url: str) -> int | None:
+    """PostgreSQL sessions ever opened to the benchmark's database (pg_stat_database)."""
+    if not url.startswith("postgresql"):
+        return None
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        row = admin.execute(
+            "SELECT sessions FROM pg_stat_database WHERE datname = %s", (name,)
+        ).fetchone()
+    return int(row[0]) if row else None
+
+
+def _steal() -> float:
+    return psutil.cpu_times().steal
+
+
 def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 1000) - 1]
 
@@ -235,13 +256,21 @@ def bench(
         asyncio.run(_phase(base, token, "POST", 1.0, concurrency, None, run_ids))  # warm-up
         for op in ("POST", "GET", MIX):
             cpu_before, client_before = _cpu(server), time.process_time()
+            steal_before, sessions_before = _steal(), _sessions(url)
             lat, errors, elapsed = asyncio.run(
                 _phase(base, token, op, seconds, concurrency, rate, run_ids)
             )
             cpu_ms = 1000 * (_cpu(server) - cpu_before) / len(lat)
             client_ms = 1000 * (time.process_time() - client_before) / len(lat)
+            steal = 100 * (_steal() - steal_before) / (elapsed * (os.cpu_count() or 1))
+            sessions_after = _sessions(url)
+            opened = None if sessions_before is None else sessions_after - sessions_before
             p50, p99 = (1000 * _percentile(lat, q) for q in (0.5, 0.99))
-            results.append(Result(kind, op, len(lat), errors, elapsed, p50, p99, cpu_ms, client_ms))
+            results.append(
+                Result(
+                    kind, op, len(lat), errors, elapsed, p50, p99, cpu_ms, client_ms, steal, opened
+                )
+            )
     return results
 
 
@@ -268,12 +297,14 @@ def main() -> None:
           f"{args.seconds:g} s per phase, "
           f"{os.cpu_count()} CPUs, load average after the run {load}")  # fmt: skip
     print("| database | request | requests | errors | throughput (req/s) | p50 (ms) | p99 (ms) "
-          "| server CPU per request (ms) | client CPU per request (ms) |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| server CPU per request (ms) | client CPU per request (ms) | steal (%) "
+          "| connections opened |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        opened = "–" if r.connections_opened is None else r.connections_opened
         print(f"| {r.db} | {r.op} | {r.requests} | {r.errors} | {r.rps:.0f} | "
               f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.server_cpu_ms:.2f} "
-              f"| {r.client_cpu_ms:.2f} |")  # fmt: skip
+              f"| {r.client_cpu_ms:.2f} | {r.steal_pct:.1f} | {opened} |")  # fmt: skip
 
 
 if __name__ == "__main__":

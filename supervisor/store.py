@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Row, func, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -112,73 +114,108 @@ def create_run(
 ) -> tuple[Run, bool]:
     """Persist a new pending run in a transaction of its own; returns (run, created).
 
-    See `add_run`; the API batches its submissions through `supervisor.api.submissions`."""
-    try:
-        run, created = add_run(
-            session, spec, created_by=created_by, idempotency_key=idempotency_key
-        )
-        session.commit()  # also ends a replay's read: a write session holds the write lock
-    except BaseException:
+    A retry with the same Idempotency-Key returns the first run (created False); the same key
+    with another spec raises IdempotencyConflict."""
+    (outcome,) = add_runs(session, [NewRun(spec, created_by, idempotency_key)])
+    if isinstance(outcome, IdempotencyConflict):
         session.rollback()
-        raise
-    return run, created
+        raise outcome
+    row, created = outcome
+    session.commit()
+    return session.get_one(Run, row["id"]), created
 
 
-def add_run(
-    session: Session,
-    spec: RunSpec,
-    *,
-    created_by: str | None = None,
-    idempotency_key: str | None = None,
-) -> tuple[Run, bool]:
-    """Add a new pending run to the session's transaction (the caller commits); returns
-    (run, created).
+@dataclass(frozen=True)
+class NewRun:
+    """One `POST /v1/runs` for `add_runs`."""
 
-    With an idempotency key, a retry of the same request returns the first run (created False)
-    and the same key with another spec raises IdempotencyConflict. The insert goes first and
-    the unique index decides (no check-then-insert race): a retry, concurrent or not, rolls
-    back its savepoint and reads the winner, so one bad item leaves the rest of a batched
-    transaction alone.
+    spec: RunSpec
+    created_by: str | None = None
+    idempotency_key: str | None = None
+
+
+def add_runs(
+    session: Session, requests: Sequence[NewRun]
+) -> list[tuple[dict[str, Any], bool] | IdempotencyConflict]:
+    """Add pending runs to the session's transaction (the caller commits); per request, the
+    run's columns and whether this request created it, or the key's conflict.
+
+    A retry with the same Idempotency-Key gets the first run (created False), the same key with
+    another spec an IdempotencyConflict. Three statements whatever the batch size: one
+    INSERT of every run (a key already taken does nothing, and the unique index decides, so
+    there is no check-then-insert race), one SELECT of the runs holding the keys that lost,
+    one INSERT of the creation events. A retry within the batch is answered like one after it.
     """
-    digest = spec_hash(spec)
-    run = Run(
-        id=f"r-{secrets.token_hex(6)}",
-        name=spec.name,
-        spec_json=spec.model_dump(mode="json"),
-        state=RunState.PENDING,
-        cancel_requested=False,
-        idempotency_key=idempotency_key,
-        request_hash=digest,
-        created_by=created_by,
-        current_attempt=0,
-        skip_ranges_json=[],
-        excluded_nodes_json=list(spec.resources.exclude),
-        target_steps=spec.training.train_steps,
-    )
-    try:
-        with session.begin_nested():
-            session.add(run)
-            session.flush()
-            _event(session, run.id, EventKind.STATE_CHANGE, "run created (pending)", to="pending")
-            session.flush()
-    except IntegrityError:
-        existing = _run_by_key(session, idempotency_key) if idempotency_key else None
-        if existing is None:
-            raise
-        return _replay(existing, digest), False
-    return run, True
+    table = Run.__table__
+    rows = [_new_run_row(r) for r in requests]
+    first_by_key: dict[str, dict[str, Any]] = {}
+    fresh = []
+    for row in rows:
+        key = row["idempotency_key"]
+        if key is None or key not in first_by_key:
+            fresh.append(row)
+            if key is not None:
+                first_by_key[key] = row
+    connection = session.connection()
+    insert_runs = _dialect_insert(session)(table).on_conflict_do_nothing(
+        index_elements=[table.c.idempotency_key]
+    )  # executed with a list of rows: one multi-row INSERT, its SQL compiled once and cached
+    created = set(connection.execute(insert_runs.returning(table.c.id), fresh).scalars())
+    holders = {k: row for k, row in first_by_key.items() if row["id"] in created}
+    if lost := [k for k in first_by_key if k not in holders]:
+        taken = connection.execute(select(table).where(table.c.idempotency_key.in_(lost)))
+        holders |= {r.idempotency_key: r._asdict() for r in taken}
+    if created:
+        connection.execute(
+            insert(Event.__table__),
+            [
+                {"run_id": run_id, "attempt": None, "kind": EventKind.STATE_CHANGE,
+                 "message": "run created (pending)", "data_json": {"to": "pending"}}
+                for run_id in sorted(created)
+            ],
+        )  # fmt: skip
+    outcomes: list[tuple[dict[str, Any], bool] | IdempotencyConflict] = []
+    for row in rows:
+        if row["id"] in created:
+            outcomes.append((row, True))
+            continue
+        holder = holders[row["idempotency_key"]]
+        if holder["request_hash"] != row["request_hash"]:
+            message = f"Idempotency-Key already used for run {holder['id']} with another spec"
+            outcomes.append(IdempotencyConflict(message))
+        else:
+            outcomes.append((holder, False))
+    return outcomes
 
 
-def _run_by_key(session: Session, key: str) -> Run | None:
-    return session.scalar(select(Run).where(Run.idempotency_key == key))
+def _new_run_row(request: NewRun) -> dict[str, Any]:
+    spec, now = request.spec, utcnow()
+    return {
+        "id": f"r-{secrets.token_hex(6)}",
+        "name": spec.name,
+        "spec_json": spec.model_dump(mode="json"),
+        "state": RunState.PENDING,
+        "state_reason": None,
+        "cancel_requested": False,
+        "idempotency_key": request.idempotency_key,
+        "request_hash": spec_hash(spec),
+        "created_by": request.created_by,
+        "created_at": now,
+        "updated_at": now,
+        "current_attempt": 0,
+        "skip_ranges_json": [],
+        "excluded_nodes_json": list(spec.resources.exclude),
+        "target_steps": spec.training.train_steps,
+        "last_step": None,
+        "resume_step": None,
+    }
 
 
-def _replay(run: Run, digest: str) -> Run:
-    if run.request_hash != digest:
-        raise IdempotencyConflict(
-            f"Idempotency-Key already used for run {run.id} with a different spec"
-        )
-    return run
+def _dialect_insert(session: Session) -> Any:
+    """INSERT with ON CONFLICT for the session's database (SQLAlchemy spells it per dialect)."""
+    if session.get_bind().dialect.name == "sqlite":
+        return sqlite_insert
+    return postgresql_insert
 
 
 def get_run(session: Session, run_id: str) -> Run:
@@ -187,6 +224,22 @@ def get_run(session: Session, run_id: str) -> Run:
         session.rollback()
         raise NotFound(f"run {run_id} not found")
     return run
+
+
+def run_with_attempts(session: Session, run_id: str) -> tuple[Row[Any], Sequence[Row[Any]]]:
+    """The run's row and its attempts' rows, for `GET /v1/runs/{id}`.
+
+    Core rather than the ORM: the API's most frequent request builds no objects it would only
+    copy into a response (half its database CPU went to the ORM's identity map and loading)."""
+    connection = session.connection()
+    run = connection.execute(select(Run.__table__).where(Run.id == run_id)).one_or_none()
+    if run is None:
+        session.rollback()
+        raise NotFound(f"run {run_id} not found")
+    attempts = connection.execute(
+        select(Attempt.__table__).where(Attempt.run_id == run_id).order_by(Attempt.number)
+    ).all()
+    return run, attempts
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ Why: submissions are serialized by the database (SQLite has one writer; PostgreS
 WAL on every commit), and a transaction per request held the SQLite writer lock for ≈ 2.7 ms
 to do ≈ 0.6 ms of work, the rest waiting for the GIL among the event loop and dozens of
 request threads. Here requests queue, the writer takes whatever is waiting (up to
-`max_batch`), inserts each in a savepoint (`store.add_run`: an Idempotency-Key conflict fails
-only its own request) and commits once; requests that arrive meanwhile form the next batch.
-A lone request pays no waiting: the writer starts as soon as one is queued.
+`max_batch`), stores them in three statements (`store.add_runs`: an Idempotency-Key conflict
+fails only its own request) and commits once; requests that arrive meanwhile form the next
+batch. A lone request pays no waiting: the writer starts as soon as one is queued.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-from sqlalchemy.exc import OperationalError
 
 from supervisor import store
 from supervisor.api.schemas import RunOut
@@ -107,31 +105,20 @@ class SubmissionWriter:
     def _write(self, batch: list[_Pending]) -> None:
         if not batch:
             return
-        outcomes: list[tuple[_Pending, tuple[RunOut, bool] | Exception]] = []
+        requests = [store.NewRun(p.spec, p.created_by, p.idempotency_key) for p in batch]
         try:
             with self.db.write_session() as session:
-                for p in batch:
-                    try:
-                        run, created = store.add_run(
-                            session,
-                            p.spec,
-                            created_by=p.created_by,
-                            idempotency_key=p.idempotency_key,
-                        )
-                        outcomes.append((p, (RunOut.model_validate(run), created)))
-                    except OperationalError:
-                        raise  # the database, not this item (locked, gone): fail the batch
-                    except Exception as exc:  # its savepoint is rolled back; the rest go on
-                        outcomes.append((p, exc))
+                outcomes = store.add_runs(session, requests)
                 session.commit()
                 self.batches += 1
-        except Exception as exc:  # the commit (or the write lock) failed: nobody got stored
+        except Exception as exc:  # the database (locked, gone, the commit): nobody got stored
             log.warning(f"submission batch of {len(batch)} failed: {exc!r}")
             for p in batch:
                 p.result.set_exception(exc)
             return
-        for p, outcome in outcomes:
+        for p, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 p.result.set_exception(outcome)
             else:
-                p.result.set_result(outcome)
+                row, created = outcome
+                p.result.set_result((RunOut.model_validate(row), created))

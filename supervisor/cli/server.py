@@ -90,7 +90,6 @@ def _serve_workers(
     """N uvicorn worker processes for the API, the reconciler here (see api.workers_mode)."""
     import os
 
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     from supervisor.api import workers_mode
@@ -103,14 +102,9 @@ def _serve_workers(
     writer = workers_mode.MetricsFileWriter(registry, metrics_dir, settings.tick_seconds)
     writer.start()
     try:
-        uvicorn.run(
-            "supervisor.api.workers_mode:create_worker_app",
-            factory=True,
-            host=host,
-            port=port,
-            workers=workers,
-            access_log=False,
-        )
+        workers_mode.serve(host, port, workers)
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
     finally:
         writer.stop()
         if loop is not None:

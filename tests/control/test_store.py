@@ -46,6 +46,42 @@ def test_same_key_same_spec_is_one_run_other_spec_conflicts(
         assert store.list_runs(s).total == 1
 
 
+def test_a_batch_answers_each_request_like_a_request_of_its_own(
+    database: Database, spec: RunSpec
+) -> None:
+    """The submission writer's batch: new runs, a retry of an earlier run, a retry and a
+    conflict inside the batch, and a request without a key, in one transaction."""
+    other = spec.model_copy(update={"name": "other"})
+    with database.write_session() as s:
+        earlier, _ = store.create_run(s, spec, idempotency_key="old")
+        batch = [
+            store.NewRun(spec, "t-1", "new"),
+            store.NewRun(spec, "t-1", "old"),  # retry of the earlier run
+            store.NewRun(spec, "t-1", "new"),  # retry of the first item
+            store.NewRun(other, "t-1", "new"),  # the first item's key, another spec
+            store.NewRun(other, None, None),
+            store.NewRun(other, "t-1", "old"),  # the earlier run's key, another spec
+        ]
+        outcomes = store.add_runs(s, batch)
+        s.commit()
+
+        (new, new_created), (old, old_created), (new_again, again_created) = outcomes[:3]
+        assert new_created and not old_created and not again_created
+        assert old["id"] == earlier.id and new_again["id"] == new["id"] != earlier.id
+        assert isinstance(outcomes[3], store.IdempotencyConflict) and new["id"] in str(outcomes[3])
+        keyless, keyless_created = outcomes[4]
+        assert keyless_created and keyless["name"] == "other" and keyless["created_by"] is None
+        assert isinstance(outcomes[5], store.IdempotencyConflict) and earlier.id in str(outcomes[5])
+
+        assert store.list_runs(s).total == 3
+        stored = store.get_run(s, new["id"])
+        assert (stored.state, stored.created_by, stored.idempotency_key) == (
+            RunState.PENDING, "t-1", "new"
+        )  # fmt: skip
+        assert stored.created_at == new["created_at"]
+        assert [e.message for e in store.list_events(s, keyless["id"])] == ["run created (pending)"]
+
+
 def test_state_changes_are_compare_and_set_and_leave_events(
     database: Database, spec: RunSpec
 ) -> None:

@@ -134,9 +134,11 @@ def list_runs(
 @router.get("/{run_id}", response_model=RunDetail, responses=NOT_FOUND)
 def get_run(run_id: RunId, session: SessionDep, _: ReadToken) -> Any:
     """One run with its attempts."""
-    run = store.get_run(session, run_id)
-    attempts = [AttemptOut.model_validate(a) for a in store.get_attempts(session, run_id)]
-    return _json(RunDetail.model_validate(run).model_copy(update={"attempts": attempts}))
+    run, attempts = store.run_with_attempts(session, run_id)
+    detail = RunDetail.model_validate(run).model_copy(
+        update={"attempts": [AttemptOut.model_validate(a) for a in attempts]}
+    )
+    return _json(detail)
 
 
 @router.post("/{run_id}/cancel", response_model=RunOut, responses={
