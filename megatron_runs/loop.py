@@ -336,6 +336,8 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         step_start = time.perf_counter()
         next_step = step + 1
         faults.before_step(next_step)
+        if metrics is not None:
+            metrics.on_step_entered(next_step)
         # First, so that the GPU clears the grad buffers while the host assembles the batch.
         for chunk in model:
             chunk.zero_grad_buffer()

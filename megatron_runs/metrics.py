@@ -22,6 +22,7 @@ _P = "nightwatch_train_"
 
 NODE_METRICS = {
     "step": ("gauge", "last completed step"),
+    "step_entered": ("gauge", "step this node's local rank 0 last began (past its faults)"),
     "last_step_timestamp_seconds": ("gauge", "unix time the last step finished"),
     "steps": ("counter", "steps completed by this process"),
     "step_time_seconds": ("gauge", "this node's last step wall time"),
@@ -103,9 +104,15 @@ class TrainMetrics:
 
     def start(self, target_steps: int, step: int, samples_consumed: int) -> None:
         self._m["step"].set(step)
+        self._m["step_entered"].set(step)
         if self.run_level:
             self._m["target_steps"].set(target_steps)
             self._m["samples_consumed"].set(samples_consumed)
+
+    def on_step_entered(self, step: int) -> None:
+        """This node began `step`. In a hang, its peers wait inside the step's collectives
+        while the node that hung has not begun it: the one gauge that tells them apart."""
+        self._m["step_entered"].set(step)
 
     def on_step(self, r: StepReport) -> None:
         m = self._m

@@ -61,6 +61,11 @@ RUN_FIELDS: dict[str, str] = {
 }
 STEP_TIME = "nightwatch_train_step_time_window_avg_seconds"
 NONFINITE_GRADS = "nightwatch_train_nonfinite_grads_total"
+STEP_ENTERED = "nightwatch_train_step_entered"
+#: Only the nodes behind their attempt's furthest node: nothing on most ticks.
+LAGGING_QUERY = (
+    f"{STEP_ENTERED} < on(run_id, attempt) group_left max by (run_id, attempt) ({STEP_ENTERED})"
+)
 #: The run-level metrics come from the node that exports this one (global rank 0's).
 PRIMARY_MARKER = "nightwatch_train_loss"
 #: What the detectors need; PrometheusSource queries only these (one query each).
@@ -142,6 +147,7 @@ class SampleHistory:
         self._samples: dict[RunKey, deque[MetricSample]] = {}
         self._prior: dict[str, tuple[MetricSample, ...]] = {}
         self._nonfinite_nodes: dict[RunKey, frozenset[str]] = {}
+        self._lagging_nodes: dict[RunKey, tuple[str, ...]] = {}
 
     def add(self, key: RunKey, sample: MetricSample) -> None:
         buf = self._samples.setdefault(key, deque())
@@ -156,6 +162,10 @@ class SampleHistory:
         nodes = frozenset(nodes)
         if nodes:
             self._nonfinite_nodes[key] = self._nonfinite_nodes.get(key, frozenset()) | nodes
+
+    def set_lagging_nodes(self, lagging: Mapping[RunKey, Iterable[str]]) -> None:
+        """The nodes behind their peers at this answer (a gauge: replaced every tick)."""
+        self._lagging_nodes = {k: tuple(sorted(set(v))) for k, v in lagging.items() if v}
 
     def view(self, key: RunKey, now: float, health: SourceHealth = SourceHealth.UP) -> MetricsView:
         """The key's window; UP only when the source answered and its newest sample is fresh."""
@@ -175,6 +185,7 @@ class SampleHistory:
             samples,
             prior=self._prior_below(key[0], samples),
             nonfinite_grad_nodes=tuple(sorted(self._nonfinite_nodes.get(key, ()))),
+            lagging_nodes=self._lagging_nodes.get(key, ()),
         )
 
     def _prior_below(
@@ -379,10 +390,10 @@ class PrometheusSource:
         names = [RUN_FIELDS[f] for f in QUERIED_FIELDS] + [STEP_TIME]
         # Only the nodes whose counter moved: an instant query with a filter answers with
         # nothing on a healthy fleet, where a range query would list every node.
-        queries = [f"{n}[{span}s]" for n in names] + [f"{NONFINITE_GRADS} > 0"]
+        queries = [f"{n}[{span}s]" for n in names] + [f"{NONFINITE_GRADS} > 0", LAGGING_QUERY]
         try:
             with ThreadPoolExecutor(self._parallel) as pool:
-                *results, nonfinite = pool.map(lambda q: self._query(q, now), queries)
+                *results, nonfinite, lagging = pool.map(lambda q: self._query(q, now), queries)
         except (httpx.HTTPError, PrometheusUnavailable, ValueError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.warning(f"prometheus query failed: {self.last_error}")
@@ -400,6 +411,12 @@ class PrometheusSource:
             key = _key(series.labels, wanted)
             if key is not None:
                 self.history.add_nonfinite_nodes(key, [series.labels.get("node", "")])
+        behind: dict[RunKey, list[str]] = {}
+        for series in lagging:
+            key = _key(series.labels, wanted)
+            if key is not None:
+                behind.setdefault(key, []).append(series.labels.get("node", ""))
+        self.history.set_lagging_nodes(behind)
         self._scraped_by_prometheus &= set(keys)
         self._bridge([k for k in keys if k not in self._scraped_by_prometheus], now)
         self.history.forget_except(keys)
@@ -516,6 +533,7 @@ class ScrapeSource:
         for target, values in zip(targets, scraped, strict=True):
             by_key.setdefault(target.key, []).append((target, values))
         failed: set[RunKey] = set()
+        behind: dict[RunKey, list[str]] = {}
         for key, results in by_key.items():
             if any(values is None for _, values in results):
                 failed.add(key)
@@ -527,6 +545,11 @@ class ScrapeSource:
             self.history.add_nonfinite_nodes(
                 key, (tg.node for tg, v in ok if v.get(NONFINITE_GRADS, 0) > 0)
             )
+            entered = {tg.node: v[STEP_ENTERED] for tg, v in ok if STEP_ENTERED in v}
+            if entered:
+                furthest = max(entered.values())
+                behind[key] = [node for node, step in entered.items() if step < furthest]
+        self.history.set_lagging_nodes(behind)
         self.history.forget_except(keys)
         return {
             k: self.history.view(k, now, SourceHealth.DOWN if k in failed else SourceHealth.UP)

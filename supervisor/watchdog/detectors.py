@@ -489,18 +489,22 @@ def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     limit = startup_limit(rc, snap.startup_seconds_seen)
     if waited <= limit:
         return []
+    hung = hung_nodes(snap)
     return [
         Finding(
             kind=FindingKind.HANG,
-            summary=f"no first step {waited:.0f} s after the job started (limit {limit:.0f} s)",
+            summary=f"no first step {waited:.0f} s after the job started (limit {limit:.0f} s)"
+            + _on(hung),
             cause=Cause.UNKNOWN,
             evidence={
                 "waited_seconds": waited,
                 "limit_seconds": limit,
                 "metrics": snap.metrics.health.value,
                 "job_nodes": list(job.nodes),
+                "lagging_nodes": list(hung),
             },
             fault_time=snap.attempt_started_at,
+            nodes=hung,
         )
     ]
 
@@ -508,8 +512,9 @@ def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
 def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     """No step finished for max(hang_factor × median step time, floor) while the job runs.
 
-    Names no node: every rank stalls in the collective, so the job's nodes (in the evidence)
-    say nothing about which one hung; the policy intersects the hung attempts' nodes."""
+    Every rank stalls in the collective, so the job's nodes (in the evidence) say nothing
+    about which one hung; the node that never began the step does (`hung_nodes`). Without
+    one, the policy intersects the hung attempts' nodes."""
     if not _metrics_ok(snap) or snap.job.health is not SourceHealth.UP:
         return []
     if snap.job.state is not JobState.RUNNING:
@@ -524,21 +529,41 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     idle = snap.now - latest.last_step_ts
     if idle <= limit:
         return []
+    hung = hung_nodes(snap)
     return [
         Finding(
             kind=FindingKind.HANG,
-            summary=f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}",
+            summary=f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}"
+            + _on(hung),
             cause=Cause.UNKNOWN,
             evidence={
                 "idle_seconds": idle,
                 "limit_seconds": limit,
                 "median_step_time": typical,
                 "job_nodes": list(snap.job.nodes),
+                "lagging_nodes": list(hung),
             },
             fault_time=latest.last_step_ts,
             last_healthy_step=latest.step,
+            nodes=hung,
         )
     ]
+
+
+def hung_nodes(snap: Snapshot) -> tuple[str, ...]:
+    """The job's nodes that had not begun the step their peers began, if some had: in a hang
+    the peers wait inside that step's collectives for the node that never came."""
+    job = set(snap.job.nodes)
+    lagging = set(snap.metrics.lagging_nodes)
+    if job:
+        lagging &= job
+    if not lagging or lagging == job:
+        return ()
+    return tuple(sorted(lagging))
+
+
+def _on(nodes: Sequence[str]) -> str:
+    return f"; {', '.join(nodes)} never began it" if nodes else ""
 
 
 def detect_replica_mismatch(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:

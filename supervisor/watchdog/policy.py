@@ -362,9 +362,11 @@ def _restart_then_nodes(
         return _escalate(f"program error: {finding.summary}", finding, Cause.CODE)
     if not prior:
         return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
-    if finding.kind in _CRASH_FAMILY and finding.nodes:
-        # A rank crash blames its node only when it recurs there.
-        same = [n for n in finding.nodes if any(n in r.finding_nodes for r in prior)]
+    if finding.kind in _CRASH_FAMILY | _HANG_FAMILY and finding.nodes:
+        # A rank crash, or a hang that names the node which never began the step, blames its
+        # node only when it recurs there (where the earlier one named no node: was there).
+        blamed = [r.finding_nodes or r.attempt_nodes for r in prior]
+        same = [n for n in finding.nodes if any(n in nodes for nodes in blamed)]
         if not same:
             return Remedy(
                 RemedyKind.RESTART, f"{finding.summary} (on another node)", finding=finding
@@ -374,7 +376,7 @@ def _restart_then_nodes(
             prior,
             history,
             rc,
-            f"crash recurred on {', '.join(same)}",
+            f"{'crash' if finding.kind in _CRASH_FAMILY else 'hang'} recurred on {', '.join(same)}",
         )
     suspects = node_suspects(finding, prior, history)
     if not suspects:

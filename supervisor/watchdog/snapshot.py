@@ -97,6 +97,10 @@ class MetricsView:
     #: node's `nightwatch_train_nonfinite_grads_total`): after the reduction every rank holds
     #: the NaN, so only this says which node made it.
     nonfinite_grad_nodes: tuple[str, ...] = ()
+    #: Nodes that, at the newest answer, had begun an earlier step than their peers
+    #: (`nightwatch_train_step_entered`). While steps complete this is scrape skew; in a hang
+    #: it is the node that never began the step its peers wait in.
+    lagging_nodes: tuple[str, ...] = ()
 
     @property
     def latest(self) -> MetricSample | None:

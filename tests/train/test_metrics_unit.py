@@ -105,6 +105,17 @@ def test_other_nodes_export_only_node_series() -> None:
     assert _values(m)["nightwatch_train_nonfinite_grads_total"] == 1
 
 
+def test_step_entered_leads_the_completed_step_while_a_step_runs() -> None:
+    m = TrainMetrics("r1", 2, "n1", run_level=False)
+    m.start(100, 40, 0)  # resumed at step 40: nothing begun yet
+    assert _values(m)["nightwatch_train_step_entered"] == 40
+    m.on_step_entered(41)
+    v = _values(m)
+    assert (v["nightwatch_train_step_entered"], v["nightwatch_train_step"]) == (41, 40)
+    m.on_step(_report(41, 2.0))
+    assert _values(m)["nightwatch_train_step"] == 41
+
+
 def test_endpoint_serves_on_loopback_ephemeral_port() -> None:
     import urllib.request
 

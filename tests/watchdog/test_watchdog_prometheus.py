@@ -26,6 +26,7 @@ from supervisor.watchdog.detectors import detect_all, detect_nonfinite
 from supervisor.watchdog.policy import decide
 from supervisor.watchdog.snapshot import (
     Cause,
+    FindingKind,
     JobState,
     JobView,
     MetricSample,
@@ -57,6 +58,7 @@ class FakeTrainer:
         self.step = 0
         self.nan_from: int | None = None
         self.nan_grads_node: str | None = None  # from nan_from: NaN grads made on this node
+        self.hung_node: str | None = None  # steps stop; this node never began the next one
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -72,16 +74,20 @@ class FakeTrainer:
         a = str(self.attempt)
         n1, n2 = (self.run_id, a, "n1"), (self.run_id, a, "n2")
         while not self._stop.is_set():
-            self.step += 1
+            stepping = self.hung_node is None
+            self.step += stepping
             bad = self.nan_from is not None and self.step >= self.nan_from
             grads_only = bad and self.nan_grads_node is not None
             loss = math.nan if bad and not grads_only else 3.0 + 5.0 * math.exp(-self.step / 50)
             p = self.primary
             for exp, labels in ((p, n1), (self.other, n2)):
                 exp.set("nightwatch_train_step", labels, self.step)
-                exp.set("nightwatch_train_last_step_timestamp_seconds", labels, time.time())
+                if stepping:
+                    exp.set("nightwatch_train_last_step_timestamp_seconds", labels, time.time())
                 exp.set("nightwatch_train_step_time_window_avg_seconds", labels, self.dt)
                 exp.set("nightwatch_train_up", labels, 1)
+                hung_here = labels[2] == self.hung_node
+                exp.set("nightwatch_train_step_entered", labels, self.step + (not hung_here))
                 made_nan = grads_only and labels[2] == self.nan_grads_node
                 exp.inc("nightwatch_train_nonfinite_grads_total", labels, 1.0 if made_nan else 0.0)
             p.set("nightwatch_train_loss", n1, loss)
@@ -126,8 +132,9 @@ def test_prometheus_source_observes_detects_and_reports_down(
         prometheus.wait_for_series('nightwatch_train_step{node="n2"}')
         time.sleep(2.5)
         views = source.collect([R1, ("r9", 1)], time.time())
-        # One query per metric for all runs, none per run (+ step times, + NaN-making nodes).
-        assert source.queries == len(QUERIED_FIELDS) + 2
+        # One query per metric for all runs, none per run (+ step times, + NaN-making nodes,
+        # + nodes behind their peers).
+        assert source.queries == len(QUERIED_FIELDS) + 3
         r1 = views[R1]
         assert r1.health is SourceHealth.UP, r1
         assert views[("r9", 1)].health is SourceHealth.MISSING
@@ -424,3 +431,27 @@ def test_reconciler_with_prometheus_stopped_takes_no_remedy(
         kinds = [a.kind for a in s.query(Action).filter(Action.run_id == run.id)]
     assert kinds == ["submit"]
     db.dispose()
+
+
+def test_prometheus_source_names_the_node_that_never_began_the_step(
+    prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
+) -> None:
+    """A hang on n2: n1 began the next step and waits in its collective, n2 never began it.
+    The source names n2 (one instant query for the whole fleet), and the hang finding with it."""
+    rc = RecoverySpec(hang_floor_seconds=1.0)
+    source = PrometheusSource(prometheus.url, stale_after_s=5.0, window_s=120.0)
+    with FakeTrainer(*exporters) as trainer:
+        prometheus.wait_for_series('nightwatch_train_step_entered{node="n2"}')
+        time.sleep(1.5)
+        trainer.hung_node = "n2"
+        deadline = time.monotonic() + 20
+        while True:
+            now = time.time()
+            view = source.collect([R1], now)[R1]
+            if view.lagging_nodes and now - (view.samples[-1].last_step_ts or now) > 2.0:
+                break
+            assert time.monotonic() < deadline, view.lagging_nodes
+            time.sleep(0.5)
+    assert view.lagging_nodes == ("n2",)
+    (hang,) = [f for f in detect_all(_snapshot(R1, view, now), rc) if f.kind is FindingKind.HANG]
+    assert hang.nodes == ("n2",) and "n2 never began it" in hang.summary

@@ -154,6 +154,7 @@ def snapshot(
     attempt: int = 1,
     prior: list[MetricSample] | None = None,
     nonfinite_grad_nodes: tuple[str, ...] = (),
+    lagging_nodes: tuple[str, ...] = (),
 ) -> Snapshot:
     last_t = samples[-1].t if samples else 1_000_000.0
     return Snapshot(
@@ -165,6 +166,7 @@ def snapshot(
             samples=tuple(samples),
             prior=tuple(prior or ()),
             nonfinite_grad_nodes=nonfinite_grad_nodes,
+            lagging_nodes=lagging_nodes,
         ),
         job=JobView(
             health=job_health,
