@@ -416,19 +416,24 @@ class PrometheusSource:
             key = _key(series.labels, wanted)
             if key is not None:
                 behind.setdefault(key, []).append(series.labels.get("node", ""))
-        self.history.set_lagging_nodes(behind)
         self._scraped_by_prometheus &= set(keys)
-        self._bridge([k for k in keys if k not in self._scraped_by_prometheus], now)
+        behind |= self._bridge([k for k in keys if k not in self._scraped_by_prometheus], now)
+        self.history.set_lagging_nodes(behind)
         self.history.forget_except(keys)
         return {k: self.history.view(k, now) for k in keys}
 
-    def _bridge(self, unseen: Sequence[RunKey], now: float) -> None:
+    def _bridge(self, unseen: Sequence[RunKey], now: float) -> dict[RunKey, list[str]]:
+        """Scrape the attempts Prometheus has not yet; their lagging nodes (a gauge: returned
+        for this tick's set, not kept)."""
         if self.bridge is None or not unseen:
-            return
+            return {}
+        behind: dict[RunKey, list[str]] = {}
         for key, view in self.bridge.collect(unseen, now).items():
             if view.health is SourceHealth.UP:
                 self.history.add(key, view.samples[-1])
                 self.history.add_nonfinite_nodes(key, view.nonfinite_grad_nodes)
+                behind[key] = list(view.lagging_nodes)
+        return behind
 
 
 def loss_history(

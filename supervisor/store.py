@@ -121,8 +121,9 @@ def create_run(
         session.rollback()
         raise outcome
     row, created = outcome
+    run = session.get_one(Run, row["id"])  # before the commit, which ends the write lock
     session.commit()
-    return session.get_one(Run, row["id"]), created
+    return run, created
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ import signal
 import socket
 import sys
 import threading
+import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,44 +50,57 @@ RECONCILER_METRICS = "reconciler.prom"
 STARTUP_FAILURE = 3
 WATCH_INTERVAL_S = 0.5
 STOP_TIMEOUT_S = 15.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+WORKER_APP = "supervisor.api.workers_mode:create_worker_app"
 
 log = logging.getLogger("nightwatch.api")
 
 
-def serve(host: str, port: int, workers: int) -> None:
-    """Run `workers` API processes on host:port until SIGTERM or SIGINT; replace any that
-    dies after it started serving. Raises OSError if the port is taken."""
+class WorkerStartupFailed(RuntimeError):
+    """An API worker exited before it served (the app, its settings or its socket is broken):
+    every replacement would fail the same way."""
+
+
+def serve(host: str, port: int, workers: int, app: str = WORKER_APP) -> None:
+    """Run `workers` API processes of the app factory `app` on host:port until SIGTERM or
+    SIGINT; replace any that dies after it started serving. Raises OSError if the port is
+    taken, WorkerStartupFailed if a worker could not start."""
     _check_free(host, port)
     context = multiprocessing.get_context("spawn")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    # A flag, not an Event: Event.set from a signal handler can deadlock on the lock that the
+    # interrupted Event.wait holds.
+    signals: list[int] = []
+    previous = {sig: signal.signal(sig, lambda n, _: signals.append(n)) for sig in STOP_SIGNALS}
 
     def start() -> multiprocessing.process.BaseProcess:
-        process = context.Process(target=_serve_worker, args=(host, port), daemon=False)
+        process = context.Process(target=_serve_worker, args=(host, port, app), daemon=False)
         process.start()
         return process
 
-    processes = [start() for _ in range(workers)]
+    processes: list[multiprocessing.process.BaseProcess] = []
     try:
-        while not stop.wait(WATCH_INTERVAL_S):
+        processes += [start() for _ in range(workers)]
+        while not signals:
+            time.sleep(WATCH_INTERVAL_S)
             for i, process in enumerate(processes):
                 if process.is_alive():
                     continue
                 if process.exitcode == STARTUP_FAILURE:
-                    log.error(f"API worker {process.pid} failed to start; stopping")
-                    return
+                    raise WorkerStartupFailed(f"API worker {process.pid} failed to start")
                 log.warning(f"API worker {process.pid} died (exit {process.exitcode}); replaced")
                 processes[i] = start()
     finally:
         for process in processes:
             if process.is_alive():
                 process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for process in processes:
-            process.join(STOP_TIMEOUT_S)
+            process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _check_free(host: str, port: int) -> None:
@@ -100,7 +115,7 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def _serve_worker(host: str, port: int) -> None:
+def _serve_worker(host: str, port: int, app: str) -> None:
     """One worker process: its own listening socket in the port's SO_REUSEPORT group."""
     import uvicorn
 
@@ -113,13 +128,22 @@ def _serve_worker(host: str, port: int) -> None:
         print(f"API worker cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         sys.exit(STARTUP_FAILURE)
     config = uvicorn.Config(
-        "supervisor.api.workers_mode:create_worker_app",
+        app,
         factory=True,
         host=host,
         port=port,
         access_log=False,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    except Exception:
+        if server.started:
+            raise
+        traceback.print_exc()
+        sys.exit(STARTUP_FAILURE)  # the app or its settings: a replacement would fail too
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
 
 
 def fresh_metrics_dir(home: Path, port: int) -> Path:

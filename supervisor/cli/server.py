@@ -55,6 +55,8 @@ def serve(
     settings = local_settings()
     host, port, workers = host or settings.host, port or settings.port, workers or settings.workers
     if workers > 1:
+        if port == 0:
+            fail("--workers needs a fixed port: with port 0 each worker would pick its own")
         _serve_workers(settings, db, host, port, workers, reconciler)
         return
     from supervisor.api.app import create_app
@@ -105,6 +107,8 @@ def _serve_workers(
         workers_mode.serve(host, port, workers)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    except workers_mode.WorkerStartupFailed as exc:
+        fail(f"{exc}; its error is above")
     finally:
         writer.stop()
         if loop is not None:

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from megatron_runs.launch_local import free_port
 from supervisor import store
+from supervisor.api import workers_mode
 from supervisor.api.examples import TINY_SPEC
 from supervisor.auth import Scope
 from supervisor.db import Database
@@ -156,3 +157,15 @@ def test_keep_alive_connections_are_spread_over_the_workers(
         held = asyncio.run(hold(SPREAD_CONNECTIONS))
         assert sum(held.values()) == SPREAD_CONNECTIONS, held
         assert all(n in fair for n in held.values()), held
+
+
+def app_that_cannot_start() -> None:
+    """A worker's app factory whose settings are broken (it runs in the spawned worker)."""
+    raise RuntimeError("NIGHTWATCH_SOMETHING is not a number")
+
+
+def test_a_worker_that_cannot_start_stops_serve_instead_of_respawning() -> None:
+    started = time.monotonic()
+    with pytest.raises(workers_mode.WorkerStartupFailed, match="failed to start"):
+        workers_mode.serve("127.0.0.1", free_port(), 2, app=f"{__name__}:app_that_cannot_start")
+    assert time.monotonic() - started < 60

@@ -259,6 +259,16 @@ def test_hang_named_on_a_node_excludes_it_when_it_recurs_there(rc: RecoverySpec)
     assert r.kind is RemedyKind.RESTART and "another node" in r.reason
 
 
+def test_a_named_crash_after_an_unnamed_one_restarts(rc: RecoverySpec) -> None:
+    """An earlier failure that named no node blames none of its attempt's nodes for a crash
+    (only a hang falls back to the attempt's nodes)."""
+    crash = Finding(kind=FindingKind.JOB_FAILED, summary="rank died", nodes=("n2",))
+    for kind in (FindingKind.JOB_FAILED, FindingKind.JOB_LOST):
+        unnamed = past(RemedyKind.RESTART, kind, step=100, attempt_nodes=NODES)
+        r = decide(snap_at(100), [crash], RunHistory(remedies=(unnamed,), attempt_nodes=NODES), rc)
+        assert r.kind is RemedyKind.RESTART, (kind, r)
+
+
 def test_exclusion_budget_escalates(rc: RecoverySpec) -> None:
     fail = Finding(
         kind=FindingKind.JOB_NODE_FAIL, summary="node fail", cause=Cause.NODE, nodes=("n2",)

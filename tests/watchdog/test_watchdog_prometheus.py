@@ -264,12 +264,17 @@ def test_attempt_not_yet_in_prometheus_is_bridged_by_direct_scrapes(
         seeing = PrometheusSource(
             prometheus.url, stale_after_s=5.0, bridge=ScrapeSource(registered, stale_after_s=5.0)
         )
-        with FakeTrainer(e1, e2, attempt=2, dt=0.05):
+        with FakeTrainer(e1, e2, attempt=2, dt=0.05) as trainer:
             time.sleep(0.3)
             bridged.collect([("r1", 2)], time.time())
             time.sleep(0.3)
             view = bridged.collect([("r1", 2)], time.time())[("r1", 2)]
             assert len(lookups) == 2
+            trainer.hung_node = "n1"  # the hang's node, from the direct scrape too
+            time.sleep(0.3)
+            assert bridged.collect([("r1", 2)], time.time())[("r1", 2)].lagging_nodes == ("n1",)
+            trainer.hung_node = None
+            lookups.clear()
             prometheus.wait_for_series('nightwatch_train_step{attempt="2"}', count=2)
             time.sleep(1.5)
             seen = seeing.collect([("r1", 2)], time.time())[("r1", 2)]
@@ -278,7 +283,7 @@ def test_attempt_not_yet_in_prometheus_is_bridged_by_direct_scrapes(
     assert view.health is SourceHealth.UP and len(view.samples) == 2
     first, second = view.samples
     assert first.step < second.step and set(second.step_time) == {"n1", "n2"}  # type: ignore[operator]
-    assert seen.health is SourceHealth.UP and len(lookups) == 2  # Prometheus had it: no scrape
+    assert seen.health is SourceHealth.UP and not lookups  # Prometheus had it: no scrape
 
 
 def test_scrape_source_reads_endpoints_and_fails_down(
