@@ -495,7 +495,7 @@ def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             kind=FindingKind.HANG,
             summary=f"no first step {waited:.0f} s after the job started (limit {limit:.0f} s)"
             + _on(hung),
-            cause=Cause.UNKNOWN,
+            cause=Cause.NODE if hung else Cause.UNKNOWN,
             evidence={
                 "waited_seconds": waited,
                 "limit_seconds": limit,
@@ -513,8 +513,8 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     """No step finished for max(hang_factor × median step time, floor) while the job runs.
 
     Every rank stalls in the collective, so the job's nodes (in the evidence) say nothing
-    about which one hung; the node that never began the step does (`hung_nodes`). Without
-    one, the policy intersects the hung attempts' nodes."""
+    about which one hung; the node that never began the step does (`hung_nodes`), and the
+    hang is then that node's. Without one, the policy intersects the hung attempts' nodes."""
     if not _metrics_ok(snap) or snap.job.health is not SourceHealth.UP:
         return []
     if snap.job.state is not JobState.RUNNING:
@@ -535,7 +535,7 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             kind=FindingKind.HANG,
             summary=f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}"
             + _on(hung),
-            cause=Cause.UNKNOWN,
+            cause=Cause.NODE if hung else Cause.UNKNOWN,
             evidence={
                 "idle_seconds": idle,
                 "limit_seconds": limit,

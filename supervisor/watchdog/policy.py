@@ -8,8 +8,8 @@ The ladder for a fault that keeps coming back, per fault family:
   if it followed the job onto fresh nodes, suspect data/code: roll back if not tried, else a
   person decides.
 - hang / crash: restart once; if it recurs, suspect the nodes common to every faulty attempt
-  (a crash attributed to a node, or a hang to the node that never began the step: only when
-  it recurs on that node).
+  (a crash attributed to a node: only when it recurs on that node). A hang that names the node
+  which never began the step is that node's (`cause=node`): excluded at once.
 - preemption / walltime: requeue (never counted as a restart).
 Budgets: restarts per window (restart storm; failed resubmissions count, and back off),
 excluded nodes per run, no progress across remedies; exhausted → ESCALATE. Sources that are
@@ -363,12 +363,9 @@ def _restart_then_nodes(
         return _escalate(f"program error: {finding.summary}", finding, Cause.CODE)
     if not prior:
         return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
-    if finding.kind in _CRASH_FAMILY | _HANG_FAMILY and finding.nodes:
-        # A rank crash, or a hang that names the node which never began the step, blames its
-        # node only when it recurs there (where the earlier one named no node: was there).
-        hang = finding.kind in _HANG_FAMILY
-        blamed = [r.finding_nodes or (r.attempt_nodes if hang else ()) for r in prior]
-        same = [n for n in finding.nodes if any(n in nodes for nodes in blamed)]
+    if finding.kind in _CRASH_FAMILY and finding.nodes:
+        # A rank crash blames its node only when it recurs there.
+        same = [n for n in finding.nodes if any(n in r.finding_nodes for r in prior)]
         if not same:
             return Remedy(
                 RemedyKind.RESTART, f"{finding.summary} (on another node)", finding=finding
@@ -378,7 +375,7 @@ def _restart_then_nodes(
             prior,
             history,
             rc,
-            f"{'hang' if hang else 'crash'} recurred on {', '.join(same)}",
+            f"crash recurred on {', '.join(same)}",
         )
     suspects = node_suspects(finding, prior, history)
     if not suspects:

@@ -187,16 +187,16 @@ def test_hang_names_the_node_that_never_began_the_step(rc: RecoverySpec) -> None
     samples = simulate(7, steps=200, faults=Faults(hang_at=150), step_seconds=10.0)
     (f,) = detect_hang(snapshot(samples, lagging_nodes=("n2",)), rc)
     assert f.nodes == ("n2",) and f.evidence["lagging_nodes"] == ["n2"]
-    assert f.cause is Cause.UNKNOWN and "n2 never began it" in f.summary
+    assert f.cause is Cause.NODE and "n2 never began it" in f.summary
     # Behind nobody (all of the job's nodes), or a node not in the job: no blame.
     for lagging in (("n1", "n2", "n3"), ("n9",)):
         (f,) = detect_hang(snapshot(samples, lagging_nodes=lagging), rc)
-        assert f.nodes == ()
+        assert f.nodes == () and f.cause is Cause.UNKNOWN
 
     started = samples[-1].t
     stuck = snapshot([], health=SourceHealth.MISSING, now=started + 1000, lagging_nodes=("n3",))
     (f,) = detect_startup_hang(dataclasses.replace(stuck, attempt_started_at=started), rc)
-    assert f.nodes == ("n3",)
+    assert f.nodes == ("n3",) and f.cause is Cause.NODE
 
 
 def test_hang_needs_a_running_job(rc: RecoverySpec) -> None:

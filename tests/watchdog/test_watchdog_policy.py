@@ -232,36 +232,22 @@ def test_hang_recurring_on_other_nodes_restarts_again(rc: RecoverySpec) -> None:
     assert r.kind is RemedyKind.RESTART and "other nodes" in r.reason
 
 
-def test_hang_named_on_a_node_excludes_it_when_it_recurs_there(rc: RecoverySpec) -> None:
-    """The node that never began the step: restart first, exclude it if the next hang is
-    there too (named, or an earlier hang that named nobody had it), restart if elsewhere."""
-    hang = Finding(kind=FindingKind.HANG, summary="hang", last_healthy_step=100, nodes=("n2",))
-    assert decide(snap_at(100), [hang], RunHistory(attempt_nodes=NODES), rc).kind is (
-        RemedyKind.RESTART
+def test_hang_named_on_a_node_excludes_it_at_once(rc: RecoverySpec) -> None:
+    """The node that never began the step its peers wait in: its hang, like a NaN its own
+    gradients made, is excluded at once, and the run resumes from its newest checkpoint."""
+    hang = Finding(
+        kind=FindingKind.HANG,
+        summary="hang; n2 never began it",
+        cause=Cause.NODE,
+        last_healthy_step=100,
+        nodes=("n2",),
     )
-    for earlier in (
-        past(
-            RemedyKind.RESTART,
-            FindingKind.HANG,
-            step=100,
-            finding_nodes=("n2",),
-            attempt_nodes=NODES,
-        ),
-        past(RemedyKind.RESTART, FindingKind.HANG, step=100, attempt_nodes=("n1", "n2")),
-    ):
-        r = decide(snap_at(100), [hang], RunHistory(remedies=(earlier,), attempt_nodes=NODES), rc)
-        assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n2",), earlier
-    # The first hang was n1's, the job has n1 and n2 both times: not n2's fault, and not n1's.
-    elsewhere = past(
-        RemedyKind.RESTART, FindingKind.HANG, step=100, finding_nodes=("n1",), attempt_nodes=NODES
-    )
-    r = decide(snap_at(100), [hang], RunHistory(remedies=(elsewhere,), attempt_nodes=NODES), rc)
-    assert r.kind is RemedyKind.RESTART and "another node" in r.reason
+    r = decide(snap_at(100), [hang], RunHistory(attempt_nodes=NODES), rc)
+    assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n2",) and r.to_step is None
 
 
 def test_a_named_crash_after_an_unnamed_one_restarts(rc: RecoverySpec) -> None:
-    """An earlier failure that named no node blames none of its attempt's nodes for a crash
-    (only a hang falls back to the attempt's nodes)."""
+    """An earlier failure that named no node blames none of its attempt's nodes for a crash."""
     crash = Finding(kind=FindingKind.JOB_FAILED, summary="rank died", nodes=("n2",))
     for kind in (FindingKind.JOB_FAILED, FindingKind.JOB_LOST):
         unnamed = past(RemedyKind.RESTART, kind, step=100, attempt_nodes=NODES)
