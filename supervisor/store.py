@@ -116,13 +116,16 @@ def create_run(
 
     A retry with the same Idempotency-Key returns the first run (created False); the same key
     with another spec raises IdempotencyConflict."""
-    (outcome,) = add_runs(session, [NewRun(spec, created_by, idempotency_key)])
-    if isinstance(outcome, IdempotencyConflict):
+    try:
+        (outcome,) = add_runs(session, [NewRun(spec, created_by, idempotency_key)])
+        if isinstance(outcome, IdempotencyConflict):
+            raise outcome
+        row, created = outcome
+        run = session.get_one(Run, row["id"])  # before the commit, which ends the write lock
+        session.commit()
+    except BaseException:
         session.rollback()
-        raise outcome
-    row, created = outcome
-    run = session.get_one(Run, row["id"])  # before the commit, which ends the write lock
-    session.commit()
+        raise
     return run, created
 
 

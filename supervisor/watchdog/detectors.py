@@ -17,6 +17,7 @@ import math
 import re
 import statistics
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from supervisor.spec import RecoverySpec
 from supervisor.watchdog.snapshot import (
@@ -489,22 +490,16 @@ def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     limit = startup_limit(rc, snap.startup_seconds_seen)
     if waited <= limit:
         return []
-    hung = hung_nodes(snap)
     return [
-        Finding(
-            kind=FindingKind.HANG,
-            summary=f"no first step {waited:.0f} s after the job started (limit {limit:.0f} s)"
-            + _on(hung),
-            cause=Cause.NODE if hung else Cause.UNKNOWN,
-            evidence={
+        _hang_finding(
+            snap,
+            f"no first step {waited:.0f} s after the job started (limit {limit:.0f} s)",
+            {
                 "waited_seconds": waited,
                 "limit_seconds": limit,
                 "metrics": snap.metrics.health.value,
-                "job_nodes": list(job.nodes),
-                "lagging_nodes": list(hung),
             },
             fault_time=snap.attempt_started_at,
-            nodes=hung,
         )
     ]
 
@@ -529,25 +524,31 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     idle = snap.now - latest.last_step_ts
     if idle <= limit:
         return []
-    hung = hung_nodes(snap)
     return [
-        Finding(
-            kind=FindingKind.HANG,
-            summary=f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}"
-            + _on(hung),
-            cause=Cause.NODE if hung else Cause.UNKNOWN,
-            evidence={
-                "idle_seconds": idle,
-                "limit_seconds": limit,
-                "median_step_time": typical,
-                "job_nodes": list(snap.job.nodes),
-                "lagging_nodes": list(hung),
-            },
+        _hang_finding(
+            snap,
+            f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}",
+            {"idle_seconds": idle, "limit_seconds": limit, "median_step_time": typical},
             fault_time=latest.last_step_ts,
             last_healthy_step=latest.step,
-            nodes=hung,
         )
     ]
+
+
+def _hang_finding(snap: Snapshot, summary: str, evidence: dict[str, Any], **fields: Any) -> Finding:
+    """A hang, with the job's nodes as evidence, and blamed on the node that never began the
+    step when the metrics name one (`hung_nodes`)."""
+    hung = hung_nodes(snap)
+    if hung:
+        summary += f"; {', '.join(hung)} never began it"
+    return Finding(
+        kind=FindingKind.HANG,
+        summary=summary,
+        cause=Cause.NODE if hung else Cause.UNKNOWN,
+        evidence={**evidence, "job_nodes": list(snap.job.nodes), "lagging_nodes": list(hung)},
+        nodes=hung,
+        **fields,
+    )
 
 
 def hung_nodes(snap: Snapshot) -> tuple[str, ...]:
@@ -560,10 +561,6 @@ def hung_nodes(snap: Snapshot) -> tuple[str, ...]:
     if not lagging or lagging == job:
         return ()
     return tuple(sorted(lagging))
-
-
-def _on(nodes: Sequence[str]) -> str:
-    return f"; {', '.join(nodes)} never began it" if nodes else ""
 
 
 def detect_replica_mismatch(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
