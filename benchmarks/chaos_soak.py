@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.soak.baseline import run_baseline
+from benchmarks.soak.baseline import load_reference, run_baseline, save_reference
 from benchmarks.soak.driver import SystemRun
 from benchmarks.soak.nightwatch import run_nightwatch
 from benchmarks.soak.schedule import (
@@ -185,6 +185,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="Megatron's distributed optimizer (off isolates the watchdog from resume bugs)",
     )
+    ap.add_argument(
+        "--reference-from",
+        type=Path,
+        default=None,
+        help="an earlier soak's reference/ directory of the same spec, reused instead of "
+        "training the fault-free reference again",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "out" / "soak")
     ap.add_argument("--base-port", type=int, default=17900, help="devcluster's first port")
     ap.add_argument("--budget-factor", type=float, default=3.0,
@@ -227,10 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start(f"{supervisor.url}/v1/prometheus/targets", tokens["read"])
         supervisor.start()
         say(f"stack up: {nodes} nodes, supervisor {supervisor.url}, {cluster.prometheus_url}")
-        ref = run_baseline(
-            clean_spec, None, cluster, out / "reference", supervisor.home,
-            budget_s=args.minutes * 60 * 3 + 600, say=say, system="reference",
-        )  # fmt: skip
+        if args.reference_from:
+            ref = load_reference(args.reference_from, clean_spec)
+            say(f"reference reused from {args.reference_from}")
+        else:
+            ref = run_baseline(
+                clean_spec, None, cluster, out / "reference", supervisor.home,
+                budget_s=args.minutes * 60 * 3 + 600, say=say, system="reference",
+            )  # fmt: skip
+            save_reference(ref, out / "reference")
         runs["reference"] = ref
         budget = args.budget_factor * (ref.end_t - ref.submit_t) + 120
         say(f"reference: step {ref.progress.max_step} in {ref.end_t - ref.submit_t:.0f}s")

@@ -13,6 +13,12 @@ absent:
   `tensor.type()` report the CUDA type name, because grad clipping and the distributed
   optimizer assert `param.type() == 'torch.cuda.FloatTensor'`.
 
+* megatron-core decorates its fused kernels with `torch.compile` when its `jit` module is
+  imported, and that call imports dynamo and inductor: about 1.5 s of every rank's start, paid
+  again at every restart, for kernels a CPU run never compiles. Without CUDA the fusions are
+  left as plain functions (megatron's own `disable_jit_fuser` choice, made before they are
+  decorated).
+
 Independently of CUDA, when `triton` is not installed, the MoE paged-stash kernel module
 (imported unconditionally by the pipeline schedules and GPTModel, used only by MoE paged
 stashing) is replaced by a stub whose kernels raise if ever called.
@@ -86,11 +92,28 @@ def apply() -> bool:
     if torch.cuda.is_available():
         return False
     if not _applied:
+        _import_megatron_without_jit_fusions(torch)
         _patch_torch_cuda(torch)
         _CpuDeviceMode().__enter__()
         _patch_megatron_rng()
         _applied = True
     return True
+
+
+def _leave_uncompiled(fn: Any = None, **_options: Any) -> Any:
+    """`torch.compile` stand-in: the function itself, with or without decorator arguments."""
+    return fn if fn is not None else _leave_uncompiled
+
+
+def _import_megatron_without_jit_fusions(torch: Any) -> None:
+    """Import megatron-core with `torch.compile` swapped out, so `megatron.core.jit` binds the
+    plain-function decorator and no fusion imports dynamo; `torch.compile` is put back after."""
+    compile_ = torch.compile
+    torch.compile = _leave_uncompiled
+    try:
+        import megatron.core.jit  # noqa: F401
+    finally:
+        torch.compile = compile_
 
 
 class _NullStream:

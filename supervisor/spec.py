@@ -165,8 +165,15 @@ class RecoverySpec(_Strict):
     rollback_skip_steps: NonNegativeInt = Field(
         default=0, description="Extra steps of samples skipped after the detected window."
     )
-    max_restarts: NonNegativeInt = 5
+    max_restarts: NonNegativeInt = Field(
+        default=5, description="Restarts that did not hold, per window, before escalating."
+    )
     restart_window_minutes: PositiveInt = 30
+    restart_held_steps: PositiveInt = Field(
+        default=100,
+        description="A restart after which the run trained this many steps past where it was "
+        "decided cured its fault: it no longer counts toward the restart storm.",
+    )
     max_rollbacks_per_incident: PositiveInt = 2
     max_excluded_nodes: NonNegativeInt = 2
     drain_excluded_nodes: bool = False

@@ -6,7 +6,8 @@ resuming from the newest complete checkpoint, and `scontrol requeue` of itself w
 program exits non-zero (a crash or a checkpointed stop). No metrics are watched: a loss spike,
 NaN gradients, a hang or a slow node are not seen, and nodes are never excluded.
 
-The same script without faults is the fault-free reference run.
+The same script without faults is the fault-free reference run. It depends on the spec
+alone, so a later soak of the same spec may reuse it (`load_reference`).
 """
 
 from __future__ import annotations
@@ -155,3 +156,52 @@ def run_baseline(
         final_state=state,
         extra={"job_id": job_id},
     )
+
+
+#: What a reference run keeps beside its logs, so that a later soak can reuse it.
+REFERENCE_RECORD = "run.json"
+
+
+class ReferenceMismatch(ValueError):
+    """The earlier reference was trained on another spec: its times and losses say nothing."""
+
+
+def save_reference(run: SystemRun, work: Path) -> None:
+    record = {"submit_t": run.submit_t, "end_t": run.end_t, "target_steps": run.target_steps}
+    (work / REFERENCE_RECORD).write_text(json.dumps(record))
+
+
+def load_reference(work: Path, spec: dict[str, Any]) -> SystemRun:
+    """An earlier soak's reference run of the same spec (its `spec.json` must match), read
+    from its logs. Without its record (soaks before it was kept), the submission time is the
+    birth time of the job's output file, which slurmd creates as the job starts (0.5 s after
+    the submission where this was first needed): a little late, so the reference looks
+    faster and Nightwatch's ETTR against it lower, never higher."""
+    if json.loads((work / "spec.json").read_text()) != spec:
+        raise ReferenceMismatch(f"{work / 'spec.json'} is not this soak's fault-free spec")
+    progress = LogFollower(work / "logs", "*_0_log.out").poll()
+    target = int(spec["training"]["train_steps"])
+    record_path = work / REFERENCE_RECORD
+    if record_path.exists():
+        record = json.loads(record_path.read_text())
+        submit_t, end_t = float(record["submit_t"]), float(record["end_t"])
+    else:
+        submit_t = _birth_time(next(iter(sorted((work / "logs").glob("batch_*.out"))), None))
+        end_t = end_time(progress, target, max(e.t for e in progress.steps))
+    if progress.max_step < target:
+        raise ReferenceMismatch(f"the reference in {work} stopped at step {progress.max_step}")
+    return SystemRun(
+        system="reference", submit_t=submit_t, end_t=end_t, target_steps=target,
+        progress=progress, injections=[], final_state="reused", extra={"reused_from": str(work)},
+    )  # fmt: skip
+
+
+def _birth_time(path: Path | None) -> float:
+    """A file's creation time (statx via GNU stat; Python's os.stat has none on Linux)."""
+    if path is None:
+        raise ReferenceMismatch("the reference holds no job output to date its submission")
+    out = subprocess.run(["stat", "-c", "%W", str(path)], capture_output=True, text=True)
+    born = float(out.stdout.strip() or 0)
+    if out.returncode != 0 or born <= 0:
+        raise ReferenceMismatch(f"{path}: this file system keeps no creation time")
+    return born

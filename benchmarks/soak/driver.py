@@ -23,8 +23,9 @@ POLL_S = 0.5
 MIN_GAP_S = 30.0
 #: How long some external faults take to show or to end (measured on the devcluster): a cut
 #: walltime is enforced by slurmctld's periodic limit check, then USR2, a checkpoint and exit
-#: (63 s seen); a preemption has its 30 s grace.
-SETTLE_S = {FaultKind.WALLTIME: 120.0, FaultKind.PREEMPTION: 45.0}
+#: (63 s seen, with up to a minute more left since `WALLTIME_LEFT_MIN` is 2); a preemption has
+#: its 30 s grace.
+SETTLE_S = {FaultKind.WALLTIME: 180.0, FaultKind.PREEMPTION: 45.0}
 
 
 def settle_s(fault: ScheduledFault, min_gap_s: float) -> float:

@@ -102,6 +102,13 @@ def newest_checkpoint(ckpt_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+#: Whole minutes a cut walltime leaves past the time used: at least 60 s left, so the USR2
+#: warning (slurmctld checks limits and signals every ~30 s) arrives before TIMEOUT. With one
+#: minute, a job 58 s into its minute was killed 2 s after the cut, before any warning, and
+#: SLURM requeues no TIMEOUT: the baseline's chaining never had a chance.
+WALLTIME_LEFT_MIN = 2
+
+
 def elapsed_minutes(text: str) -> int:
     """squeue's TimeUsed (`[d-]h:m:s` or `m:s`) in whole minutes."""
     days, _, rest = text.strip().rpartition("-")
@@ -198,7 +205,8 @@ class Injector:
         return f"TERM to job {job_id}, killed after {PREEMPT_GRACE_S:.0f}s if still running"
 
     def _walltime(self, job: JobView) -> str:
-        """Cut the job's time limit to the next minute: SLURM's own walltime machinery (the
+        """Cut the job's time limit to `WALLTIME_LEFT_MIN` minutes past the time used: SLURM's
+        own walltime machinery (the
         USR2 warning, then TIMEOUT) does the rest. A requeued job keeps its limit, so for a
         requeueable job the original limit is put back once it was requeued."""
         if job.job_id is None:
@@ -206,7 +214,7 @@ class Injector:
         job_id = job.job_id
         times = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%M|%l|%S")
         used, limit, started = times.strip().split("|")
-        minutes = elapsed_minutes(used) + 1
+        minutes = elapsed_minutes(used) + WALLTIME_LEFT_MIN
         slurm(self.cluster, "scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}")
         if self.requeueable:
 
@@ -215,7 +223,15 @@ class Injector:
                 return now != f"RUNNING|{started}"
 
             def restore() -> None:
-                slurm(self.cluster, "scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}")
+                # SLURM requeues no TIMEOUT: a job whose own requeue came too late has ended,
+                # and that is the system's outcome to score, not the driver's error.
+                try:
+                    slurm(
+                        self.cluster, "scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}"
+                    )
+                except RuntimeError as exc:
+                    if "already finished" not in str(exc):
+                        raise
 
             self.followups.append(
                 FollowUp(time.time() + 5, "walltime limit restored", restore, ready=requeued)

@@ -11,7 +11,8 @@ The ladder for a fault that keeps coming back, per fault family:
   (a crash attributed to a node: only when it recurs on that node). A hang that names the node
   which never began the step is that node's (`cause=node`): excluded at once.
 - preemption / walltime: requeue (never counted as a restart).
-Budgets: restarts per window (restart storm; failed resubmissions count, and back off),
+Budgets: restarts per window that did not hold (restart storm: the run needed another remedy
+within `restart_held_steps`; failed resubmissions count, and back off),
 excluded nodes per run, no progress across remedies; exhausted → ESCALATE. Sources that are
 down never lead to a destructive remedy.
 """
@@ -65,14 +66,45 @@ def _recent(history: RunHistory, rc: RecoverySpec, now: float) -> list[PastRemed
     return [r for r in history.remedies if r.at >= horizon]
 
 
+def _is_restart(r: PastRemedy) -> bool:
+    """A resubmission that counts against the restart budget (requeues are nobody's fault)."""
+    return r.kind.resubmits and r.kind is not RemedyKind.REQUEUE
+
+
 def _counted_restarts(remedies: Sequence[PastRemedy]) -> list[PastRemedy]:
-    """Resubmissions that count against the restart budget (requeues are nobody's fault)."""
-    return [r for r in remedies if r.kind.resubmits and r.kind is not RemedyKind.REQUEUE]
+    return [r for r in remedies if _is_restart(r)]
 
 
-def restarts_in_window(history: RunHistory, rc: RecoverySpec, now: float) -> int:
+def _storm_restarts(
+    history: RunHistory, rc: RecoverySpec, now: float, step: int | None
+) -> list[PastRemedy]:
+    """Counted restarts in the window that did not hold: another remedy was needed before the
+    run trained `restart_held_steps` past the step the restart was decided at (`step` is the
+    run's step now). Restarts that each cured a different fault are the supervisor working;
+    only ones that keep failing are a storm. A failed submission never holds."""
+    horizon = now - rc.restart_window_minutes * 60
+    remedies = history.remedies
+    storm = []
+    for i, r in enumerate(remedies):
+        next_step = remedies[i + 1].step if i + 1 < len(remedies) else step
+        if r.at < horizon or not _is_restart(r):
+            continue
+        held = (
+            not r.failed
+            and r.step is not None
+            and next_step is not None
+            and next_step - r.step >= rc.restart_held_steps
+        )
+        if not held:
+            storm.append(r)
+    return storm
+
+
+def restarts_in_window(
+    history: RunHistory, rc: RecoverySpec, now: float, step: int | None = None
+) -> int:
     """Restarts counted against the budget in the current window (for the budget gauge)."""
-    return len(_counted_restarts(_recent(history, rc, now)))
+    return len(_storm_restarts(history, rc, now, step))
 
 
 def _escalate(reason: str, finding: Finding | None, suspect: Cause = Cause.UNKNOWN) -> Remedy:
@@ -83,7 +115,7 @@ def _budget_check(
     history: RunHistory, rc: RecoverySpec, now: float, step: int | None, finding: Finding
 ) -> Remedy | None:
     """Restart storm and no-progress cycles stop the ladder before it loops."""
-    restarts = _counted_restarts(_recent(history, rc, now))
+    restarts = _storm_restarts(history, rc, now, step)
     if len(restarts) >= rc.max_restarts:
         return _escalate(
             f"restart storm: {len(restarts)} restarts in {rc.restart_window_minutes} min",

@@ -709,7 +709,7 @@ class Reconciler:
         )
         if self.actuator.apply(ctx, remedy):
             self.metrics.remedies.labels(kind=remedy.kind.value).inc()
-        restarts = restarts_in_window(history, spec.recovery, now)
+        restarts = restarts_in_window(history, spec.recovery, now, step)
         left = spec.recovery.max_restarts - restarts - int(remedy.kind.resubmits)
         self.metrics.run_budget_left.labels(run_id=run.id).set(max(0, left))
         self._export_ettr(run.id, view, now)

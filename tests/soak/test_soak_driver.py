@@ -113,6 +113,6 @@ def test_only_a_fault_held_back_past_half_its_distance_gives_way() -> None:
 
 def test_slow_faults_settle_longer_before_the_next_one() -> None:
     assert driver.settle_s(ScheduledFault(FaultKind.RANK_CRASH, 5, {}), 30) == 30
-    assert driver.settle_s(ScheduledFault(FaultKind.WALLTIME, 5, {}), 30) == 120
+    assert driver.settle_s(ScheduledFault(FaultKind.WALLTIME, 5, {}), 30) == 180
     prom = ScheduledFault(FaultKind.PROMETHEUS_RESTART, 5, {"down_s": 20})
     assert driver.settle_s(prom, 30) == 50

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.chaos_soak import Mode, acceptance, mode_from_args, parse_args, soak_spec
-from benchmarks.soak.baseline import sbatch_script
+from benchmarks.soak.baseline import ReferenceMismatch, load_reference, sbatch_script
 from benchmarks.soak.faults import elapsed_minutes
 from benchmarks.soak.schedule import SHORT_KINDS, FaultKind, SoakShape, draw
 from benchmarks.soak.score import SystemScore
@@ -69,3 +72,26 @@ def test_acceptance_names_what_failed() -> None:
     failed = acceptance(bad, clean=True)
     assert any("step 90" in f for f in failed) and any("escalation" in f for f in failed)
     assert any("2 remedies" in f for f in failed)
+
+
+def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:
+    """A re-soak may skip the fault-free reference (its spec alone decides it), never with
+    a reference of another spec or one that stopped short."""
+    spec = {"training": {"train_steps": 2}, "faults": []}
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "run.json").write_text(json.dumps({"submit_t": 100.0, "end_t": 130.0}))
+    lines = [
+        {"ts": 110.0, "event": "train_start", "step": 0, "attempt": 0, "job_id": "1"},
+        {"ts": 120.0, "event": "step", "step": 1, "loss": 5.0, "attempt": 0, "job_id": "1"},
+    ]
+    log = tmp_path / "logs" / "1_0_log.out"
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(ReferenceMismatch, match="stopped at step 1"):
+        load_reference(tmp_path, spec)
+    last = {"ts": 130.0, "event": "step", "step": 2, "loss": 4.0, "attempt": 0, "job_id": "1"}
+    log.write_text(log.read_text() + json.dumps(last) + "\n")
+    ref = load_reference(tmp_path, spec)
+    assert (ref.submit_t, ref.end_t, ref.progress.max_step) == (100.0, 130.0, 2)
+    with pytest.raises(ReferenceMismatch, match="not this soak"):
+        load_reference(tmp_path, {**spec, "training": {"train_steps": 3}})

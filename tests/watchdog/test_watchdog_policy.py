@@ -180,7 +180,7 @@ def test_restart_storm_escalates_but_requeues_do_not_count(rc: RecoverySpec) -> 
         past(RemedyKind.RESTART, FindingKind.JOB_FAILED, ago=60 * i, step=100 + i)
         for i in range(1, 6)
     )
-    r = decide(snap_at(500), [hang], RunHistory(remedies=restarts), rc)
+    r = decide(snap_at(106), [hang], RunHistory(remedies=restarts), rc)
     assert r.kind is RemedyKind.ESCALATE and "restart storm" in r.reason
     old = tuple(
         past(RemedyKind.RESTART, FindingKind.JOB_FAILED, ago=3600 + i, step=100 + i)
@@ -193,6 +193,30 @@ def test_restart_storm_escalates_but_requeues_do_not_count(rc: RecoverySpec) -> 
     assert decide(snap_at(500), [hang], RunHistory(remedies=requeues), rc).kind is (
         RemedyKind.RESTART
     )
+
+
+def test_restarts_that_held_are_no_storm(rc: RecoverySpec) -> None:
+    """The seed-7 soak escalated at its rank crash: five remedies in 30 min, each the cure of a
+    different fault hundreds of steps apart. Only restarts the run failed again soon after
+    (within `restart_held_steps`) are a storm; one that did not hold still counts."""
+    crash = Finding(kind=FindingKind.JOB_FAILED, summary="crash")
+    gap = rc.restart_held_steps
+    cured = tuple(
+        past(RemedyKind.RESTART, FindingKind.HANG, ago=300 - 50 * i, step=1000 + gap * i)
+        for i in range(rc.max_restarts)
+    )
+    now_step = 1000 + gap * rc.max_restarts
+    assert decide(snap_at(now_step), [crash], RunHistory(remedies=cured), rc).kind is (
+        RemedyKind.RESTART
+    )
+    last_failed_fast = decide(snap_at(now_step - gap + 1), [crash], RunHistory(remedies=cured), rc)
+    assert last_failed_fast.kind is RemedyKind.RESTART  # 1 of 5 did not hold
+    tight = tuple(
+        past(RemedyKind.RESTART, FindingKind.HANG, ago=300 - 50 * i, step=1000 + (gap - 1) * i)
+        for i in range(rc.max_restarts)
+    )
+    r = decide(snap_at(1000 + (gap - 1) * rc.max_restarts), [crash], RunHistory(remedies=tight), rc)
+    assert r.kind is RemedyKind.ESCALATE and "restart storm" in r.reason
 
 
 def test_no_progress_cycle_escalates(rc: RecoverySpec) -> None:
