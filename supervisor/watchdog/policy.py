@@ -39,6 +39,8 @@ from supervisor.watchdog.snapshot import (
 
 #: Remedies in a row that did not move training past where the first of them was decided.
 NO_PROGRESS_REMEDIES = 3
+#: Chance below which two unrelated crashes would land on one node (1 / the job's nodes).
+CRASH_COINCIDENCE_P = 0.05
 #: Wait before resubmitting after a failed submission, doubled per failure in a row (capped).
 SUBMIT_BACKOFF_S = 10.0
 SUBMIT_BACKOFF_MAX_S = 300.0
@@ -83,12 +85,16 @@ def _storm_restarts(
     run's step now). Restarts that each cured a different fault are the supervisor working;
     only ones that keep failing are a storm. A failed submission never holds."""
     horizon = now - rc.restart_window_minutes * 60
+    return [r for r in _not_held(history, rc, step) if r.at >= horizon and _is_restart(r)]
+
+
+def _not_held(history: RunHistory, rc: RecoverySpec, step: int | None) -> list[PastRemedy]:
+    """Remedies after which the run needed another before training `restart_held_steps`
+    past the step each was decided at (`step`: the run's step now)."""
     remedies = history.remedies
-    storm = []
+    out = []
     for i, r in enumerate(remedies):
         next_step = remedies[i + 1].step if i + 1 < len(remedies) else step
-        if r.at < horizon or not _is_restart(r):
-            continue
         held = (
             not r.failed
             and r.step is not None
@@ -96,8 +102,8 @@ def _storm_restarts(
             and next_step - r.step >= rc.restart_held_steps
         )
         if not held:
-            storm.append(r)
-    return storm
+            out.append(r)
+    return out
 
 
 def restarts_in_window(
@@ -386,8 +392,25 @@ def _numeric(
     return _rollback(finding, history, rc, global_batch, f"{finding.kind.value} after restart")
 
 
+def _crash_evidence(
+    prior: Sequence[PastRemedy], history: RunHistory, rc: RecoverySpec, step: int | None
+) -> list[PastRemedy]:
+    """Earlier crashes that say something about the node they struck: a crash the run did
+    not get past (its restart did not hold), or any crash in a job so wide that chance
+    would rarely put two unrelated crashes on one node. In a 2-node job, half of all
+    unrelated crashes land on the node of the one before (the seed-7 soak excluded n4 so)."""
+    if 1 / max(1, len(history.attempt_nodes)) <= CRASH_COINCIDENCE_P:
+        return list(prior)
+    loops = _not_held(history, rc, step)
+    return [r for r in prior if r in loops]
+
+
 def _restart_then_nodes(
-    finding: Finding, prior: Sequence[PastRemedy], history: RunHistory, rc: RecoverySpec
+    finding: Finding,
+    prior: Sequence[PastRemedy],
+    history: RunHistory,
+    rc: RecoverySpec,
+    step: int | None,
 ) -> Remedy:
     if finding.cause is Cause.NODE and finding.nodes:
         return _exclude_named(finding, history, rc)
@@ -396,11 +419,14 @@ def _restart_then_nodes(
     if not prior:
         return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
     if finding.kind in _CRASH_FAMILY and finding.nodes:
-        # A rank crash blames its node only when it recurs there.
-        same = [n for n in finding.nodes if any(n in r.finding_nodes for r in prior)]
+        # A rank crash blames its node only when it recurs there, and not by chance.
+        evidence = _crash_evidence(prior, history, rc, step)
+        same = [n for n in finding.nodes if any(n in r.finding_nodes for r in evidence)]
         if not same:
             return Remedy(
-                RemedyKind.RESTART, f"{finding.summary} (on another node)", finding=finding
+                RemedyKind.RESTART,
+                f"{finding.summary} (no crash loop on its node)",
+                finding=finding,
             )
         return _node_ladder(
             dataclasses.replace(finding, nodes=tuple(same)),
@@ -467,7 +493,7 @@ def decide(
         if finding.nodes:
             return _exclude_named(finding, history, rc)
         return Remedy(RemedyKind.RESTART, finding.summary, finding=finding)
-    return _restart_then_nodes(finding, prior, history, rc)
+    return _restart_then_nodes(finding, prior, history, rc, step)
 
 
 def _pinned_again_at_same_data(finding: Finding, prior: Sequence[PastRemedy]) -> bool:

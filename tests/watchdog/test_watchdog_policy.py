@@ -374,6 +374,31 @@ def test_plain_crash_restarts_and_excludes_only_when_it_recurs_on_the_same_node(
     assert again.kind is RemedyKind.EXCLUDE_NODE and again.exclude_nodes == ("n2",)
 
 
+def test_crashes_far_apart_on_one_node_of_two_are_chance_not_the_node(rc: RecoverySpec) -> None:
+    """The seed-7 soak: a crash 5,000 steps after an unrelated one, on the same node of a
+    2-node job (a coin flip), excluded n4. Only a crash loop (the restart did not hold) or a
+    job wide enough that chance rarely repeats a node blames it."""
+    held = rc.restart_held_steps
+
+    def history(step: int, nodes: tuple[str, ...]) -> RunHistory:
+        before = past(
+            RemedyKind.RESTART,
+            FindingKind.JOB_FAILED,
+            step=step,
+            finding_nodes=("n2",),
+            attempt_nodes=nodes,
+        )
+        return RunHistory(remedies=(before,), attempt_nodes=nodes)
+
+    far = decide(snap_at(1000 + held), [crash_on("n2")], history(1000, NODES), rc)
+    assert far.kind is RemedyKind.RESTART and "no crash loop" in far.reason
+    loop = decide(snap_at(1000 + held - 1), [crash_on("n2")], history(1000, NODES), rc)
+    assert loop.kind is RemedyKind.EXCLUDE_NODE and loop.exclude_nodes == ("n2",)
+    wide = tuple(f"n{i}" for i in range(1, 21))
+    r = decide(snap_at(1000 + held), [crash_on("n2")], history(1000, wide), rc)
+    assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n2",)
+
+
 def test_never_excludes_a_name_that_is_not_one_of_the_attempts_nodes(rc: RecoverySpec) -> None:
     """W1: sbatch rejects `--exclude=127.0.0.1`, so every resubmission would fail."""
     f = Finding(kind=FindingKind.JOB_FAILED, summary="gloo", cause=Cause.NODE, nodes=("127.0.0.1",))
