@@ -8,8 +8,9 @@ The ladder for a fault that keeps coming back, per fault family:
   if it followed the job onto fresh nodes, suspect data/code: roll back if not tried, else a
   person decides.
 - hang / crash: restart once; if it recurs, suspect the nodes common to every faulty attempt
-  (a crash attributed to a node: only when it recurs on that node). A hang that names the node
-  which never began the step is that node's (`cause=node`): excluded at once.
+  (a crash blames its node only when it recurs there in a crash loop, or in a job so wide
+  that chance rarely repeats a node). A hang that names the node which never began the step
+  is that node's (`cause=node`): excluded at once.
 - preemption / walltime: requeue (never counted as a restart).
 Budgets: restarts per window that did not hold (restart storm: the run needed another remedy
 within `restart_held_steps`; failed resubmissions count, and back off),
