@@ -206,9 +206,9 @@ class Injector:
 
     def _walltime(self, job: JobView) -> str:
         """Cut the job's time limit to `WALLTIME_LEFT_MIN` minutes past the time used: SLURM's
-        own walltime machinery (the
-        USR2 warning, then TIMEOUT) does the rest. A requeued job keeps its limit, so for a
-        requeueable job the original limit is put back once it was requeued."""
+        own walltime machinery (the USR2 warning, then TIMEOUT) does the rest. A requeued job
+        keeps its limit, so for a requeueable job the original limit is put back once it was
+        requeued."""
         if job.job_id is None:
             return "no job"
         job_id = job.job_id

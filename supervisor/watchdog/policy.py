@@ -107,9 +107,7 @@ def _not_held(history: RunHistory, rc: RecoverySpec, step: int | None) -> list[P
     return out
 
 
-def restarts_in_window(
-    history: RunHistory, rc: RecoverySpec, now: float, step: int | None = None
-) -> int:
+def restarts_in_window(history: RunHistory, rc: RecoverySpec, now: float, step: int | None) -> int:
     """Restarts counted against the budget in the current window (for the budget gauge)."""
     return len(_storm_restarts(history, rc, now, step))
 
