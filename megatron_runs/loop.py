@@ -115,6 +115,14 @@ def _init_distributed() -> tuple[int, int, int, torch.device]:
     return rank, world, local_rank, device
 
 
+def _job_nodes(node: str) -> list[str]:
+    """Every node of this process group, in rank order without repeats: the log then says
+    where each attempt ran (a sick node's fault strikes only where a job lands on it)."""
+    names: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(names, node)
+    return list(dict.fromkeys(n for n in names if n is not None))
+
+
 def _data_prefix(spec: RunSpec) -> str:
     if spec.data.prefix:
         return spec.data.prefix
@@ -330,7 +338,8 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     last_loss = math.nan
     exit_code = exitcodes.OK
     target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
-    log("train_start", step=step, cursor=cursor, target=target, layout=layout, cpu=CPU)
+    nodes = _job_nodes(ctx.node)
+    log("train_start", step=step, cursor=cursor, target=target, layout=layout, cpu=CPU, nodes=nodes)
 
     while step < target:
         step_start = time.perf_counter()

@@ -38,6 +38,7 @@ class StartEvent:
     step: int
     incarnation: str
     node: str | None = None
+    nodes: tuple[str, ...] = ()  # every node of the group (empty: an older log)
 
 
 @dataclass
@@ -88,7 +89,13 @@ def parse_lines(lines: Iterable[str]) -> Progress:
         event = rec.get("event")
         if event == "train_start":
             out.starts.append(
-                StartEvent(float(rec["ts"]), int(rec["step"]), incarnation(rec), rec.get("node"))
+                StartEvent(
+                    float(rec["ts"]),
+                    int(rec["step"]),
+                    incarnation(rec),
+                    rec.get("node"),
+                    tuple(rec.get("nodes") or ()),
+                )
             )
         elif event == "step":
             out.steps.append(

@@ -2,7 +2,8 @@
 
 Definitions (the same for Nightwatch and the baseline):
 - fault time: when the driver injected an external fault; for a spec-side fault, when the
-  faulty step began (the first time training completed step `at_step - 1`).
+  faulty step began (the first time training completed step `at_step - 1`; for a node fault,
+  the first time a process group on that node did: only there does it strike).
 - a fault's window runs from its time to the next fault's time (faults are spaced so that
   each recovery happens inside its own window); remedies in the window belong to the fault.
 - detected: some remedy was taken in the window; detection latency: first remedy − fault time.
@@ -105,16 +106,40 @@ class SystemScore:
 def fault_time(inj: Injection, progress: Progress) -> float | None:
     """External faults: injection time; spec-side faults: start of the faulty step.
 
-    A NaN node's fault is armed from its step on but fires only where the job runs on that
-    node (a restart may well land elsewhere first): its time is the start of the first step
-    at or past it whose update the trainer threw away."""
+    A node fault is armed from its step on but fires only where a job runs on that node (a
+    restart may well land elsewhere first). A NaN node's time is the start of the first step
+    at or past it whose update the trainer threw away; a hang's or a straggler's, the start of
+    the first such step that a process group on the node began."""
     if not inj.fault.spec_side:
         return inj.t
     if inj.fault.kind is FaultKind.NAN_NODE:
         first = next((e for e in progress.steps if e.step >= inj.fault.at_step and e.bad), None)
         return _step_start(progress, first) if first is not None else None
+    node = inj.faulty_node
+    if node is not None and any(s.nodes for s in progress.starts):
+        return _first_step_on(progress, node, inj.fault.at_step)
     before = progress.first_reaching(max(0, inj.fault.at_step - 1))
     return before.t if before is not None else None
+
+
+def _first_step_on(progress: Progress, node: str, step: int) -> float | None:
+    """When a process group on `node` first began a step at or past `step`."""
+    for start in progress.starts:
+        if node not in start.nodes:
+            continue
+        if start.step + 1 >= step:
+            return start.t
+        reached = next(
+            (
+                e
+                for e in progress.steps
+                if e.incarnation == start.incarnation and e.step >= step - 1
+            ),
+            None,
+        )
+        if reached is not None:
+            return reached.t
+    return None
 
 
 def _step_start(progress: Progress, event: StepEvent) -> float:

@@ -156,3 +156,32 @@ def test_nan_node_fault_counts_from_when_the_job_first_ran_on_the_node() -> None
         submit_t=0.0, end_t=101.0, target_steps=100, reference=REF, reference_submit_t=0.0,
     )  # fmt: skip
     assert not clean.faults[0].triggered
+
+
+def test_straggler_counts_from_the_first_job_on_its_node_not_from_its_arming_step() -> None:
+    """The seed-7 rerun: a straggler armed at step 30 struck only when a poison's rollback
+    put the job on n1 (t=120). Dated by its arming step, its exclusion fell into the poison's
+    window and both faults were scored wrong."""
+    p = run([(0, 0, 60, "1/1"), (120, 40, 70, "2/2"), (160, 60, 100, "3/3")])
+    placed = {"1/1": ("n2", "n3"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")}
+    p.starts = [
+        StartEvent(s.t, s.step, s.incarnation, nodes=placed[s.incarnation]) for s in p.starts
+    ]
+    slow = Injection(ScheduledFault(FaultKind.STRAGGLER, 30, {"node": "n1"}), None)
+    s = score_system(
+        "nightwatch", injections=[POISON, slow], progress=p,
+        remedies=[Remedy(52.0, "rollback"), Remedy(150.0, "exclude_node", ("n1",))],
+        escalations=0, submit_t=0.0, end_t=200.0, target_steps=100, reference=REF,
+        reference_submit_t=0.0,
+    )  # fmt: skip
+    poison, straggler = s.faults
+    assert poison.fault_t == 40 and poison.cured_by == "rollback" and poison.right_action
+    assert straggler.fault_t == 120 and straggler.detection_latency_s == 30
+    assert straggler.right_action and s.false_positives == 0
+
+
+def test_parse_reads_the_nodes_a_group_ran_on() -> None:
+    line = {"ts": 5, "event": "train_start", "step": 0, "attempt": 1, "job_id": "7"}
+    (start,) = parse_lines([json.dumps({**line, "nodes": ["n1", "n2"]})]).starts
+    assert start.nodes == ("n1", "n2")
+    assert parse_lines([json.dumps(line)]).starts[0].nodes == ()

@@ -149,6 +149,8 @@ def test_rollback_with_skip_matches_clean_run(scenario) -> None:
     events = scenario["rollback"].events()
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert loaded and loaded[0]["step"] == 4  # newest (6) is truncated → previous one
+    (start,) = [e for e in events if e["event"] == "train_start"]
+    assert start["nodes"] == [start["node"]]  # four ranks on one node: named once
     got = scenario["rollback"].losses()
     ref = scenario["reference"].losses()
     assert sorted(got) == [5, 6, 7, 8]
