@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import socket
@@ -118,6 +119,10 @@ _ATTEMPT_STATE: dict[JobState, AttemptState] = {
     JobState.LOST: AttemptState.LOST,
 }
 
+
+#: Seconds between refreshes of a run's ETTR gauge (a DB read per run; the dashboard's panel
+#: moves on the scale of minutes).
+ETTR_REFRESH_S = 30.0
 
 #: Actions resumed from their intent after a crash (cancel / complete are re-derived each tick).
 _RESUMABLE = [ActionKind.SUBMIT.value] + [k.value for k in RemedyKind if k is not RemedyKind.NONE]
@@ -340,6 +345,7 @@ class Reconciler:
         self._log_causes: dict[tuple[str, int], LogCause] = {}
         self._startup_seen: dict[str, float] = {}  # run → slowest start → first step (s)
         self._startup_noted: dict[str, int] = {}  # run → last attempt measured
+        self._ettr_exported: dict[str, float] = {}  # run → when its ETTR gauge was last set
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -676,8 +682,11 @@ class Reconciler:
             self.metrics.forget_run(run.id)
             self._startup_seen.pop(run.id, None)
             self._startup_noted.pop(run.id, None)
+            self._ettr_exported.pop(run.id, None)
             return
         self._export_run(run, checkpoints, now)
+        if now - self._ettr_exported.get(run.id, -math.inf) >= ETTR_REFRESH_S:
+            self._export_ettr(run.id, view, now)
         findings = detect_all(snap, spec.recovery)
         if not findings:
             return
@@ -968,8 +977,9 @@ class Reconciler:
         return out
 
     def _export_ettr(self, run_id: str, view: MetricsView, now: float) -> None:
-        """ETTR gauge, refreshed on remedies and recoveries: steps reached come from the
-        incidents (step before each fault), the run's last step and the live gauge."""
+        """ETTR gauge, refreshed on remedies, recoveries and every `ETTR_REFRESH_S` (a healthy
+        run's dashboard needs it too): steps reached come from the incidents (step before each
+        fault), the run's last step and the live gauge."""
         with self.db.session() as s:
             attempts = store.get_attempts(s, run_id)
             evidence = s.scalars(
@@ -992,6 +1002,7 @@ class Reconciler:
         )
         if ettr is not None:
             self.metrics.run_ettr.labels(run_id=run_id).set(ettr)
+            self._ettr_exported[run_id] = now
 
     def _export_run(self, run: Run, checkpoints: list[CheckpointRef], now: float) -> None:
         if checkpoints:

@@ -474,3 +474,25 @@ def test_failing_first_submission_backs_off_and_escalates(db: Database, tmp_path
     assert get_run(db, run_id).state is RunState.NEEDS_ATTENTION
     assert cluster.tries == spec.recovery.max_restarts
     assert per_tick[:4] == [1, 0, 0, 0]
+
+
+def test_a_healthy_run_exports_its_ettr_without_any_incident(db: Database, tmp_path: Path) -> None:
+    """The on-call dashboard's ETTR panel was empty for a run that never needed a remedy:
+    the gauge was set only on remedies and recoveries."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, _ = running(db, tmp_path, cluster, source)
+    now = time.time()
+    source.samples[(run_id, 1)] = [
+        MetricSample(
+            t=now - 2 + i / 2,
+            step=10 + i,
+            loss=3.0,
+            samples_consumed=80 + 8 * i,
+            last_step_ts=now - 2 + i / 2,
+        )
+        for i in range(4)
+    ]
+    rec.tick()
+    assert not rows(db, Incident, run_id)
+    text = generate_latest(rec.registry).decode()
+    assert f'nightwatch_supervisor_run_ettr_ratio{{run_id="{run_id}"}}' in text
