@@ -159,9 +159,10 @@ def test_nan_node_fault_counts_from_when_the_job_first_ran_on_the_node() -> None
 
 
 def test_straggler_counts_from_the_first_job_on_its_node_not_from_its_arming_step() -> None:
-    """The seed-7 rerun: a straggler armed at step 30 struck only when a poison's rollback
-    put the job on n1 (t=120). Dated by its arming step, its exclusion fell into the poison's
-    window and both faults were scored wrong."""
+    """The seed-7 soaks: a straggler armed at step 30 (before the poison, in schedule order)
+    struck only when the poison's rollback put the job on n1 (t=120). Dated by its arming step,
+    its exclusion fell into the poison's window and both faults were scored wrong; the group
+    that recovers the poison is also the one the straggler slows."""
     p = run([(0, 0, 60, "1/1"), (120, 40, 70, "2/2"), (160, 60, 100, "3/3")])
     placed = {"1/1": ("n2", "n3"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")}
     p.starts = [
@@ -169,15 +170,34 @@ def test_straggler_counts_from_the_first_job_on_its_node_not_from_its_arming_ste
     ]
     slow = Injection(ScheduledFault(FaultKind.STRAGGLER, 30, {"node": "n1"}), None)
     s = score_system(
-        "nightwatch", injections=[POISON, slow], progress=p,
+        "nightwatch", injections=[slow, POISON], progress=p,
         remedies=[Remedy(52.0, "rollback"), Remedy(150.0, "exclude_node", ("n1",))],
         escalations=0, submit_t=0.0, end_t=200.0, target_steps=100, reference=REF,
         reference_submit_t=0.0,
     )  # fmt: skip
-    poison, straggler = s.faults
-    assert poison.fault_t == 40 and poison.cured_by == "rollback" and poison.right_action
+    straggler, poison = s.faults
+    assert poison.fault_t == 40 and poison.remedies == ["rollback"] and poison.right_action
+    assert poison.recovered and poison.mttr_s == 81  # group 2/2's first step, at t=121
     assert straggler.fault_t == 120 and straggler.detection_latency_s == 30
-    assert straggler.right_action and s.false_positives == 0
+    assert straggler.right_action and straggler.recovered and s.false_positives == 0
+
+
+def test_final_loss_is_compared_over_a_tenth_of_the_run() -> None:
+    """Per-step losses that differ by chance (different samples after a skip) but agree on
+    average: 32 steps see the noise, a tenth of the run does not."""
+    ref = run([(0, 0, 1000, "1/1")], loss=lambda s: 3.0 + (0.5 if s % 50 < 25 else -0.5))
+    other = run([(0, 0, 1000, "1/1")], loss=lambda s: 3.0 + (-0.5 if s % 50 < 25 else 0.5))
+    s = score_system(
+        "nightwatch", injections=[], progress=other, remedies=[], escalations=0,
+        submit_t=0.0, end_t=1001.0, target_steps=1000, reference=ref, reference_submit_t=0.0,
+    )  # fmt: skip
+    assert s.loss_window == 100 and s.loss_rel_diff is not None and s.loss_rel_diff < 0.01
+    short = score_system(
+        "nightwatch", injections=[], progress=other, remedies=[], escalations=0,
+        submit_t=0.0, end_t=1001.0, target_steps=1000, reference=ref, reference_submit_t=0.0,
+        loss_steps=32,
+    )  # fmt: skip
+    assert short.loss_rel_diff is not None and short.loss_rel_diff > 0.1
 
 
 def test_parse_reads_the_nodes_a_group_ran_on() -> None:
