@@ -476,11 +476,7 @@ def test_failing_first_submission_backs_off_and_escalates(db: Database, tmp_path
     assert per_tick[:4] == [1, 0, 0, 0]
 
 
-def test_a_healthy_run_exports_its_ettr_without_any_incident(db: Database, tmp_path: Path) -> None:
-    """The on-call dashboard's ETTR panel was empty for a run that never needed a remedy:
-    the gauge was set only on remedies and recoveries."""
-    cluster, source = FakeCluster(), FakeSource()
-    rec, run_id, _ = running(db, tmp_path, cluster, source)
+def _healthy(source: FakeSource, run_id: str) -> None:
     now = time.time()
     source.samples[(run_id, 1)] = [
         MetricSample(
@@ -492,7 +488,39 @@ def test_a_healthy_run_exports_its_ettr_without_any_incident(db: Database, tmp_p
         )
         for i in range(4)
     ]
+
+
+def _ettr_exported(rec: Reconciler, run_id: str) -> bool:
+    text = generate_latest(rec.registry).decode()
+    return f'nightwatch_supervisor_run_ettr_ratio{{run_id="{run_id}"}}' in text
+
+
+def test_a_healthy_run_exports_its_ettr_without_any_incident(db: Database, tmp_path: Path) -> None:
+    """The on-call dashboard's ETTR panel was empty for a run that never needed a remedy:
+    the gauge was set only on remedies and recoveries."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, _ = running(db, tmp_path, cluster, source)
+    _healthy(source, run_id)
     rec.tick()
     assert not rows(db, Incident, run_id)
-    text = generate_latest(rec.registry).decode()
-    assert f'nightwatch_supervisor_run_ettr_ratio{{run_id="{run_id}"}}' in text
+    assert _ettr_exported(rec, run_id)
+
+
+def test_ettr_refreshes_spread_over_ticks(
+    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet's ETTR refreshes (DB reads) are capped per tick, so they never all land on one."""
+    monkeypatch.setattr("supervisor.watchdog.reconciler.ETTR_REFRESHES_PER_TICK", 1)
+    cluster, source = FakeCluster(), FakeSource()
+    rec = make(db, tmp_path, cluster, source)
+    runs = [new_run(db), new_run(db)]
+    rec.tick()
+    for job, *_ in cluster.submitted:
+        cluster.set(job, JobState.RUNNING)
+    rec.tick()
+    for run_id in runs:
+        _healthy(source, run_id)
+    assert rec.tick().ettr_refreshes == 1
+    assert sum(_ettr_exported(rec, r) for r in runs) == 1
+    rec.tick()
+    assert all(_ettr_exported(rec, r) for r in runs)
