@@ -691,7 +691,8 @@ class Reconciler:
             return
         self._export_run(run, checkpoints, now)
         if (
-            result.ettr_refreshes < ETTR_REFRESHES_PER_TICK
+            view.samples  # nothing to compute yet: no refresh slot taken
+            and result.ettr_refreshes < ETTR_REFRESHES_PER_TICK
             and now - self._ettr_exported.get(run.id, -math.inf) >= ETTR_REFRESH_S
         ):
             result.ettr_refreshes += 1
@@ -1009,9 +1010,9 @@ class Reconciler:
             ),
             mean_step_s=median_step_time(view.samples) if view.samples else None,
         )
+        self._ettr_exported[run_id] = now  # unknown (no step time yet) waits its turn too
         if ettr is not None:
             self.metrics.run_ettr.labels(run_id=run_id).set(ettr)
-            self._ettr_exported[run_id] = now
 
     def _export_run(self, run: Run, checkpoints: list[CheckpointRef], now: float) -> None:
         if checkpoints:
