@@ -524,3 +524,19 @@ def test_ettr_refreshes_spread_over_ticks(
     assert sum(_ettr_exported(rec, r) for r in runs) == 1
     rec.tick()
     assert all(_ettr_exported(rec, r) for r in runs)
+
+
+def test_a_run_without_samples_takes_no_ettr_refresh_slot(
+    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("supervisor.watchdog.reconciler.ETTR_REFRESHES_PER_TICK", 1)
+    cluster, source = FakeCluster(), FakeSource()
+    rec = make(db, tmp_path, cluster, source)
+    quiet, busy = new_run(db), new_run(db)
+    rec.tick()
+    for job, *_ in cluster.submitted:
+        cluster.set(job, JobState.RUNNING)
+    rec.tick()  # both seen running (started), neither has samples: no refresh
+    _healthy(source, busy)
+    assert rec.tick().ettr_refreshes == 1
+    assert _ettr_exported(rec, busy) and not _ettr_exported(rec, quiet)
