@@ -37,8 +37,7 @@ class StartEvent:
     t: float
     step: int
     incarnation: str
-    node: str | None = None
-    nodes: tuple[str, ...] = ()  # every node of the group (empty: an older log)
+    nodes: tuple[str, ...] = ()  # every node of the group, rank 0's first (empty: an older log)
 
 
 @dataclass
@@ -93,7 +92,6 @@ def parse_lines(lines: Iterable[str]) -> Progress:
                     float(rec["ts"]),
                     int(rec["step"]),
                     incarnation(rec),
-                    rec.get("node"),
                     tuple(rec.get("nodes") or ()),
                 )
             )

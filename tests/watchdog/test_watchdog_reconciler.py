@@ -506,10 +506,10 @@ def test_a_healthy_run_exports_its_ettr_without_any_incident(db: Database, tmp_p
     assert _ettr_exported(rec, run_id)
 
 
-def test_ettr_refreshes_spread_over_ticks(
+def _two_running_runs(
     db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A fleet's ETTR refreshes (DB reads) are capped per tick, so they never all land on one."""
+) -> tuple[Reconciler, FakeSource, list[str]]:
+    """Two runs seen running (started) with no samples yet, and one ETTR refresh a tick."""
     monkeypatch.setattr("supervisor.watchdog.reconciler.ETTR_REFRESHES_PER_TICK", 1)
     cluster, source = FakeCluster(), FakeSource()
     rec = make(db, tmp_path, cluster, source)
@@ -517,7 +517,15 @@ def test_ettr_refreshes_spread_over_ticks(
     rec.tick()
     for job, *_ in cluster.submitted:
         cluster.set(job, JobState.RUNNING)
-    rec.tick()
+    rec.tick()  # started, no samples: no refresh
+    return rec, source, runs
+
+
+def test_ettr_refreshes_spread_over_ticks(
+    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet's ETTR refreshes (DB reads) are capped per tick, so they never all land on one."""
+    rec, source, runs = _two_running_runs(db, tmp_path, monkeypatch)
     for run_id in runs:
         _healthy(source, run_id)
     assert rec.tick().ettr_refreshes == 1
@@ -529,14 +537,7 @@ def test_ettr_refreshes_spread_over_ticks(
 def test_a_run_without_samples_takes_no_ettr_refresh_slot(
     db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("supervisor.watchdog.reconciler.ETTR_REFRESHES_PER_TICK", 1)
-    cluster, source = FakeCluster(), FakeSource()
-    rec = make(db, tmp_path, cluster, source)
-    quiet, busy = new_run(db), new_run(db)
-    rec.tick()
-    for job, *_ in cluster.submitted:
-        cluster.set(job, JobState.RUNNING)
-    rec.tick()  # both seen running (started), neither has samples: no refresh
+    rec, source, (quiet, busy) = _two_running_runs(db, tmp_path, monkeypatch)
     _healthy(source, busy)
     assert rec.tick().ettr_refreshes == 1
     assert _ettr_exported(rec, busy) and not _ettr_exported(rec, quiet)
