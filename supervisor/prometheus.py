@@ -11,6 +11,8 @@ trailing window of samples and an honest health — so detectors cannot tell the
   no Prometheus server is configured), parsing with prometheus_client's text parser.
 
 Failures make a view DOWN, old data makes it STALE, no data makes it MISSING: never UP.
+A node whose endpoint alone fails is reported beside the view (`dark_nodes`), with how long
+its answering peers have stood still, rather than failing the whole view.
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ STEP_ENTERED = "nightwatch_train_step_entered"
 LAGGING_QUERY = (
     f"{STEP_ENTERED} < on(run_id, attempt) group_left max by (run_id, attempt) ({STEP_ENTERED})"
 )
+#: Scrape targets of runs that failed their latest scrape (`up` is Prometheus's own series).
+DARK_QUERY = 'up{run_id!=""} == 0'
+#: The furthest step the answering nodes began, only for attempts with a dark node.
+PEER_STEP_QUERY = (
+    f"max by (run_id, attempt) ({STEP_ENTERED}) and on(run_id, attempt) ({DARK_QUERY})"
+)
+#: A node's endpoint must fail every scrape this long before it counts as dark: one
+#: timed-out scrape of a busy exporter is not a dead host.
+DARK_AFTER_S = 5.0
 #: The run-level metrics come from the node that exports this one (global rank 0's).
 PRIMARY_MARKER = "nightwatch_train_loss"
 #: What the detectors need; PrometheusSource queries only these (one query each).
@@ -148,6 +159,8 @@ class SampleHistory:
         self._prior: dict[str, tuple[MetricSample, ...]] = {}
         self._nonfinite_nodes: dict[RunKey, frozenset[str]] = {}
         self._lagging_nodes: dict[RunKey, tuple[str, ...]] = {}
+        self._dark_since: dict[RunKey, dict[str, float]] = {}
+        self._peer_step: dict[RunKey, tuple[float, float]] = {}
 
     def add(self, key: RunKey, sample: MetricSample) -> None:
         buf = self._samples.setdefault(key, deque())
@@ -167,6 +180,32 @@ class SampleHistory:
         """The nodes behind their peers at this answer (a gauge: replaced every tick)."""
         self._lagging_nodes = {k: tuple(sorted(set(v))) for k, v in lagging.items() if v}
 
+    def set_dark(
+        self, dark: Mapping[RunKey, Iterable[str]], peer_steps: Mapping[RunKey, float], now: float
+    ) -> None:
+        """The nodes whose endpoint failed at this answer (dark from the first answer that
+        showed it so until one shows it answering), and the furthest step the answering
+        nodes of such an attempt had begun (steady from the first answer with that value)."""
+        since: dict[RunKey, dict[str, float]] = {}
+        for key, nodes in dark.items():
+            seen = self._dark_since.get(key, {})
+            since[key] = {n: seen.get(n, now) for n in set(nodes)}
+        self._dark_since = {k: v for k, v in since.items() if v}
+        steps: dict[RunKey, tuple[float, float]] = {}
+        for key, step in peer_steps.items():
+            seen_step = self._peer_step.get(key)
+            steps[key] = seen_step if seen_step and seen_step[0] == step else (step, now)
+        self._peer_step = steps
+
+    def _dark(self, key: RunKey, now: float) -> dict[str, Any]:
+        """The view's dark nodes (dark for DARK_AFTER_S) and how long their peers stood still."""
+        dark = sorted(
+            n for n, t in self._dark_since.get(key, {}).items() if now - t >= DARK_AFTER_S
+        )
+        peer = self._peer_step.get(key)
+        steady = now - peer[1] if dark and peer else None
+        return {"dark_nodes": tuple(dark), "peers_steady_s": steady}
+
     def view(self, key: RunKey, now: float, health: SourceHealth = SourceHealth.UP) -> MetricsView:
         """The key's window; UP only when the source answered and its newest sample is fresh."""
         buf = self._samples.get(key)
@@ -179,13 +218,19 @@ class SampleHistory:
             return MetricsView(health=SourceHealth.MISSING)
         if now - samples[-1].t > self.stale_after_s:
             age = now - samples[-1].t
-            return MetricsView(SourceHealth.STALE, samples, f"newest sample {age:.1f} s old")
+            return MetricsView(
+                SourceHealth.STALE,
+                samples,
+                f"newest sample {age:.1f} s old",
+                **self._dark(key, now),
+            )
         return MetricsView(
             SourceHealth.UP,
             samples,
             prior=self._prior_below(key[0], samples),
             nonfinite_grad_nodes=tuple(sorted(self._nonfinite_nodes.get(key, ()))),
             lagging_nodes=self._lagging_nodes.get(key, ()),
+            **self._dark(key, now),
         )
 
     def _prior_below(
@@ -312,6 +357,16 @@ def assemble(
     return out
 
 
+def _nodes_by_key(series: Iterable[Series], wanted: set[RunKey]) -> dict[RunKey, list[str]]:
+    """The `node` labels of per-node series, by the watched attempt they belong to."""
+    out: dict[RunKey, list[str]] = {}
+    for s in series:
+        key = _key(s.labels, wanted)
+        if key is not None:
+            out.setdefault(key, []).append(s.labels.get("node", ""))
+    return out
+
+
 def _key(labels: Mapping[str, str], wanted: set[RunKey]) -> RunKey | None:
     try:
         key = (labels["run_id"], int(labels["attempt"]))
@@ -390,10 +445,13 @@ class PrometheusSource:
         names = [RUN_FIELDS[f] for f in QUERIED_FIELDS] + [STEP_TIME]
         # Only the nodes whose counter moved: an instant query with a filter answers with
         # nothing on a healthy fleet, where a range query would list every node.
-        queries = [f"{n}[{span}s]" for n in names] + [f"{NONFINITE_GRADS} > 0", LAGGING_QUERY]
+        queries = [f"{n}[{span}s]" for n in names]
+        queries += [f"{NONFINITE_GRADS} > 0", LAGGING_QUERY, DARK_QUERY, PEER_STEP_QUERY]
         try:
             with ThreadPoolExecutor(self._parallel) as pool:
-                *results, nonfinite, lagging = pool.map(lambda q: self._query(q, now), queries)
+                *results, nonfinite, lagging, dark, peers = pool.map(
+                    lambda q: self._query(q, now), queries
+                )
         except (httpx.HTTPError, PrometheusUnavailable, ValueError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.warning(f"prometheus query failed: {self.last_error}")
@@ -407,15 +465,15 @@ class PrometheusSource:
             for s in samples:
                 self.history.add(key, s)
         wanted = set(keys)
-        for series in nonfinite:
-            key = _key(series.labels, wanted)
-            if key is not None:
-                self.history.add_nonfinite_nodes(key, [series.labels.get("node", "")])
-        behind: dict[RunKey, list[str]] = {}
-        for series in lagging:
-            key = _key(series.labels, wanted)
-            if key is not None:
-                behind.setdefault(key, []).append(series.labels.get("node", ""))
+        for key, nodes in _nodes_by_key(nonfinite, wanted).items():
+            self.history.add_nonfinite_nodes(key, nodes)
+        behind = _nodes_by_key(lagging, wanted)
+        peer_steps = {
+            key: s.points[-1][1]
+            for s in peers
+            if (key := _key(s.labels, wanted)) is not None and s.points
+        }
+        self.history.set_dark(_nodes_by_key(dark, wanted), peer_steps, now)
         self._scraped_by_prometheus &= set(keys)
         behind |= self._bridge([k for k in keys if k not in self._scraped_by_prometheus], now)
         self.history.set_lagging_nodes(behind)
@@ -539,22 +597,34 @@ class ScrapeSource:
             by_key.setdefault(target.key, []).append((target, values))
         failed: set[RunKey] = set()
         behind: dict[RunKey, list[str]] = {}
+        dark: dict[RunKey, list[str]] = {}
+        peer_steps: dict[RunKey, float] = {}
         for key, results in by_key.items():
-            if any(values is None for _, values in results):
+            ok = [(tg, v) for tg, v in results if v is not None]
+            if not ok:
                 failed.add(key)
                 continue
-            ok = [(tg, v) for tg, v in results if v is not None]
-            primary = next((v for _, v in ok if PRIMARY_MARKER in v), ok[0][1])
-            step_time = {tg.node: v[STEP_TIME] for tg, v in ok if STEP_TIME in v}
-            self.history.add(key, build_sample(t, primary, step_time))
+            entered = {tg.node: v[STEP_ENTERED] for tg, v in ok if STEP_ENTERED in v}
+            if len(ok) < len(results):
+                dark[key] = [tg.node for tg, v in results if v is None]
+                if entered:
+                    peer_steps[key] = max(entered.values())
+            # A node that is not the primary exports its own run-level values; only with every
+            # node answering may the first stand in for a primary not yet marked.
+            primary = next((v for _, v in ok if PRIMARY_MARKER in v), None)
+            if primary is None and key not in dark:
+                primary = ok[0][1]
+            if primary is not None:
+                step_time = {tg.node: v[STEP_TIME] for tg, v in ok if STEP_TIME in v}
+                self.history.add(key, build_sample(t, primary, step_time))
             self.history.add_nonfinite_nodes(
                 key, (tg.node for tg, v in ok if v.get(NONFINITE_GRADS, 0) > 0)
             )
-            entered = {tg.node: v[STEP_ENTERED] for tg, v in ok if STEP_ENTERED in v}
             if entered:
                 furthest = max(entered.values())
                 behind[key] = [node for node, step in entered.items() if step < furthest]
         self.history.set_lagging_nodes(behind)
+        self.history.set_dark(dark, peer_steps, now)
         self.history.forget_except(keys)
         return {
             k: self.history.view(k, now, SourceHealth.DOWN if k in failed else SourceHealth.UP)

@@ -103,6 +103,12 @@ class JobStatus:
     raw_state: str = ""
     failed_nodes: tuple[str, ...] = ()
 
+    @property
+    def completing(self) -> bool:
+        """SLURM is tearing the job down: its final state is pending, and its node list
+        holds only the nodes still cleaning up (a lost node is already gone from it)."""
+        return self.raw_state.upper().startswith("COMPLETING")
+
 
 @dataclass(frozen=True)
 class NodeInfo:

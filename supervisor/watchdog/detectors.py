@@ -2,7 +2,9 @@
 
 Rules every detector keeps:
 - metrics-based detectors look only at an UP metrics view; stale, missing or failed data
-  yields no finding (the policy reports it, nothing convicts or clears on it);
+  yields no finding (the policy reports it, nothing convicts or clears on it). The one
+  exception is a hang whose staleness is itself the evidence: the node exporting the run's
+  metrics went dark while its peers, still answering, stood still (`dark_hung_nodes`);
 - job-based detectors look only at an UP SLURM view;
 - "sustained" is counted in distinct training steps, never in repeated scrapes of one step;
 - the onset of a numeric fault is bounded by the last sample seen healthy (a NaN seen
@@ -61,6 +63,13 @@ def by_step(samples: Sequence[MetricSample]) -> list[MetricSample]:
         else:  # the step went backwards: a restart inside the window; keep the newer history
             out = [s]
     return out
+
+
+def _job_running(snap: Snapshot) -> bool:
+    """SLURM says the job runs and is not being torn down: a hang in a COMPLETING job is
+    the teardown's, and its final state (NODE_FAIL, CANCELLED, ...) is the finding."""
+    job = snap.job
+    return job.health is SourceHealth.UP and job.state is JobState.RUNNING and not job.completing
 
 
 def _metrics_ok(snap: Snapshot) -> bool:
@@ -477,10 +486,7 @@ def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
 
     Needs SLURM's word that the job runs and a metrics source that answered (UP, or up with
     no series for the run yet); a failed or stale source convicts nothing."""
-    job = snap.job
-    if job.health is not SourceHealth.UP or job.state is not JobState.RUNNING:
-        return []
-    if snap.attempt_started_at is None:
+    if not _job_running(snap) or snap.attempt_started_at is None:
         return []
     if snap.metrics.health not in (SourceHealth.UP, SourceHealth.MISSING):
         return []
@@ -508,11 +514,13 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     """No step finished for max(hang_factor × median step time, floor) while the job runs.
 
     Every rank stalls in the collective, so the job's nodes (in the evidence) say nothing
-    about which one hung; the node that never began the step does (`hung_nodes`), and the
-    hang is then that node's. Without one, the policy intersects the hung attempts' nodes."""
-    if not _metrics_ok(snap) or snap.job.health is not SourceHealth.UP:
-        return []
-    if snap.job.state is not JobState.RUNNING:
+    about which one hung; the node that never began the step does (`hung_nodes`), and so
+    does a node gone dark while its peers stood still (`dark_hung_nodes`): the hang is then
+    that node's. Without one, the policy intersects the hung attempts' nodes.
+
+    A dark node may be the one exporting the run's metrics, whose view then goes STALE: with
+    the peers' stillness as evidence that is still a hang, not a blind spot."""
+    if not _job_running(snap) or not snap.metrics.samples:
         return []
     latest = snap.metrics.samples[-1]
     if latest.last_step_ts is None or latest.last_step_ts <= 0 or latest.up == 0:
@@ -524,28 +532,47 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     idle = snap.now - latest.last_step_ts
     if idle <= limit:
         return []
+    dark = dark_hung_nodes(snap, limit)
+    if not (_metrics_ok(snap) or dark):
+        return []
     return [
         _hang_finding(
             snap,
             f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}",
             {"idle_seconds": idle, "limit_seconds": limit, "median_step_time": typical},
+            dark=dark,
             fault_time=latest.last_step_ts,
             last_healthy_step=latest.step,
         )
     ]
 
 
-def _hang_finding(snap: Snapshot, summary: str, evidence: dict[str, Any], **fields: Any) -> Finding:
+def _hang_finding(
+    snap: Snapshot,
+    summary: str,
+    evidence: dict[str, Any],
+    dark: tuple[str, ...] = (),
+    **fields: Any,
+) -> Finding:
     """A hang, with the job's nodes as evidence, and blamed on the node that never began the
-    step when the metrics name one (`hung_nodes`)."""
+    step when the metrics name one (`hung_nodes`), else on the nodes gone dark (`dark`)."""
     hung = hung_nodes(snap)
     if hung:
         summary += f"; {', '.join(hung)} never began it"
+    elif dark:
+        hung = dark
+        summary += f"; {', '.join(dark)} went dark while its peers stood still"
     return Finding(
         kind=FindingKind.HANG,
         summary=summary,
         cause=Cause.NODE if hung else Cause.UNKNOWN,
-        evidence={**evidence, "job_nodes": list(snap.job.nodes), "lagging_nodes": list(hung)},
+        evidence={
+            **evidence,
+            "job_nodes": list(snap.job.nodes),
+            "lagging_nodes": list(hung_nodes(snap)),
+            "dark_nodes": list(dark),
+            "peers_steady_seconds": snap.metrics.peers_steady_s,
+        },
         nodes=hung,
         **fields,
     )
@@ -561,6 +588,20 @@ def hung_nodes(snap: Snapshot) -> tuple[str, ...]:
     if not lagging or lagging == job:
         return ()
     return tuple(sorted(lagging))
+
+
+def dark_hung_nodes(snap: Snapshot, limit: float) -> tuple[str, ...]:
+    """The job's nodes gone dark while the nodes still answering began no new step for half
+    the hang limit: a frozen or dead host stalls every collective it is in, long before
+    SLURM's node timeout (minutes) says so. Peers that move on clear it (a dead exporter or
+    a cut-off scrape on a training node), and so does darkness on every node (Prometheus's
+    own trouble)."""
+    job = set(snap.job.nodes)
+    dark = set(snap.metrics.dark_nodes) & job
+    steady = snap.metrics.peers_steady_s
+    if not dark or dark == job or steady is None or steady < limit / 2:
+        return ()
+    return tuple(sorted(dark))
 
 
 def detect_replica_mismatch(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:

@@ -198,6 +198,7 @@ def job_view(
         reason=reason or status.reason or None,
         failed_nodes=status.failed_nodes or hosts,
         cause=cause,
+        completing=status.completing,
     )
 
 

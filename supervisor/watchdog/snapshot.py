@@ -101,6 +101,12 @@ class MetricsView:
     #: (`nightwatch_train_step_entered`). While steps complete this is scrape skew; in a hang
     #: it is the node that never began the step its peers wait in.
     lagging_nodes: tuple[str, ...] = ()
+    #: Nodes whose metrics endpoint has failed every scrape for DARK_AFTER_S or longer while
+    #: the attempt's other nodes answered: a frozen, dead or cut-off host.
+    dark_nodes: tuple[str, ...] = ()
+    #: While a node is dark: seconds since the furthest step the answering nodes had begun
+    #: last changed (a dark node's peers wait in its collective; progress clears the node).
+    peers_steady_s: float | None = None
 
     @property
     def latest(self) -> MetricSample | None:
@@ -119,6 +125,9 @@ class JobView:
     reason: str | None = None  # classified log cause or SLURM reason, e.g. "NCCL error"
     failed_nodes: tuple[str, ...] = ()
     cause: Cause | None = None  # from the job's log, when it was classified
+    #: RUNNING as SLURM's COMPLETING: the job is ending, `nodes` lists only those still
+    #: cleaning up, and its final state comes on a later tick.
+    completing: bool = False
 
 
 @dataclass(frozen=True, slots=True)

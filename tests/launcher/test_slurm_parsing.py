@@ -91,6 +91,8 @@ SQUEUE = """\
 64|FAILED|n1|NonZeroExitCode|768|
 1|TIMEOUT|n1|TimeLimit|15|
 70|PENDING||Resources|0|
+2|COMPLETING|n1|NodeDown|0|
+3|RUNNING|n[3-4]|None|0|
 """
 
 
@@ -105,6 +107,11 @@ def test_parse_squeue_decodes_wait_status():
     assert jobs["5"].nodes == ("n1", "n3")
     assert jobs["70"].state is JobState.PENDING and jobs["70"].reason == "Resources"
     assert jobs["61"].nodes == ()
+    # A 2-node job whose n2 froze, as squeue shows it 2 s after SLURM set n2 DOWN: still
+    # "running", but ending, with only the node left to clean up.
+    assert jobs["2"].state is JobState.RUNNING and jobs["2"].completing
+    assert jobs["2"].nodes == ("n1",)
+    assert not jobs["3"].completing and not jobs["5"].completing
 
 
 def test_failed_nodes_are_the_jobs_nodes_now_down():

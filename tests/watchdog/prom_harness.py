@@ -7,6 +7,7 @@ stopped (SIGTERM, then SIGKILL) when the fixture ends, so nothing outlives the t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -66,20 +67,37 @@ class Exporter:
 class PrometheusServer:
     """`/usr/bin/prometheus` on 127.0.0.1 with a 1 s scrape of the given loopback ports."""
 
-    def __init__(self, workdir: Path, targets: list[int], interval: str = "1s") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        targets: list[int],
+        interval: str = "1s",
+        labels: list[dict[str, str]] | None = None,
+    ) -> None:
+        """`labels`, one per target, are target labels (as the supervisor's service discovery
+        gives each endpoint its run, attempt and node), so `up` carries them too."""
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        groups = [
+            {"targets": [f"127.0.0.1:{p}"], "labels": label}
+            for p, label in zip(targets, labels or [{} for _ in targets], strict=True)
+        ]
         config = workdir / "prometheus.yml"
-        config.write_text(
-            "global:\n"
-            f"  scrape_interval: {interval}\n"
-            f"  scrape_timeout: {interval}\n"
-            "scrape_configs:\n"
-            "  - job_name: nightwatch-train\n"
-            "    static_configs:\n"
-            f"      - targets: [{', '.join(repr(f'127.0.0.1:{p}') for p in targets)}]\n"
+        config.write_text(  # JSON is valid YAML
+            json.dumps(
+                {
+                    "global": {"scrape_interval": interval, "scrape_timeout": interval},
+                    "scrape_configs": [
+                        {
+                            "job_name": "nightwatch-train",
+                            "honor_labels": True,
+                            "static_configs": groups or [{"targets": []}],
+                        }
+                    ],
+                }
+            )
         )
         self.config = config
 

@@ -32,6 +32,7 @@ from supervisor.watchdog.snapshot import (
     FindingKind,
     JobState,
     MetricSample,
+    MetricsView,
     RunHistory,
     SourceHealth,
 )
@@ -199,11 +200,49 @@ def test_hang_names_the_node_that_never_began_the_step(rc: RecoverySpec) -> None
     assert f.nodes == ("n3",) and f.cause is Cause.NODE
 
 
+def test_hang_blames_a_node_gone_dark_while_its_peers_stood_still(rc: RecoverySpec) -> None:
+    """A frozen host: its endpoint fails every scrape and the nodes still answering begin no
+    new step. When it exported the run's metrics, the view is STALE and still convicts."""
+    samples = simulate(7, steps=200, faults=Faults(hang_at=150), step_seconds=10.0)
+    limit = detect_hang(snapshot(samples), rc)[0].evidence["limit_seconds"]
+
+    def hang(health: SourceHealth, dark: tuple[str, ...], steady: float | None) -> list:
+        snap = snapshot(samples, health=health, dark_nodes=dark, peers_steady_s=steady)
+        return detect_hang(snap, rc)
+
+    (f,) = hang(SourceHealth.STALE, ("n1",), limit)
+    assert f.nodes == ("n1",) and f.cause is Cause.NODE and "n1 went dark" in f.summary
+    assert f.evidence["dark_nodes"] == ["n1"] and f.last_healthy_step == 150
+    # The dark node is not the metrics' exporter: the view is UP, the blame the same.
+    (f,) = hang(SourceHealth.UP, ("n2",), limit)
+    assert f.nodes == ("n2",) and f.cause is Cause.NODE
+    # Peers that began a step within half the limit are training on: a dead exporter or a
+    # cut-off scrape. A STALE view then convicts nothing; an UP one blames no node.
+    assert hang(SourceHealth.STALE, ("n1",), limit / 2 - 1) == []
+    (f,) = hang(SourceHealth.UP, ("n2",), limit / 2 - 1)
+    assert f.nodes == () and f.cause is Cause.UNKNOWN
+    # Every node dark (Prometheus's own trouble), no peer step known, a node not in the job.
+    assert hang(SourceHealth.STALE, ("n1", "n2", "n3"), limit) == []
+    assert hang(SourceHealth.STALE, ("n1",), None) == []
+    assert hang(SourceHealth.STALE, ("n9",), limit) == []
+    # A node that never began the step outranks one gone dark.
+    snap = snapshot(samples, lagging_nodes=("n3",), dark_nodes=("n2",), peers_steady_s=limit)
+    assert detect_hang(snap, rc)[0].nodes == ("n3",)
+
+
 def test_hang_needs_a_running_job(rc: RecoverySpec) -> None:
     samples = simulate(7, steps=100, faults=Faults(hang_at=50))
     now = samples[-1].t + 1000
+    assert detect_hang(snapshot(samples, now=now), rc) != []
     assert detect_hang(snapshot(samples, now=now, job_state=JobState.PENDING), rc) == []
     assert detect_hang(snapshot(samples, now=now, job_health=SourceHealth.DOWN), rc) == []
+    # COMPLETING: SLURM is ending the job (a node it set DOWN is already gone from its node
+    # list, so a dark node there would go unnamed); the final state is the finding.
+    running = snapshot(samples, now=now, dark_nodes=("n2",), peers_steady_s=1000.0)
+    ending = dataclasses.replace(running, job=dataclasses.replace(running.job, completing=True))
+    assert detect_hang(ending, rc) == []
+    started = dataclasses.replace(ending, metrics=MetricsView(SourceHealth.MISSING))
+    assert detect_startup_hang(dataclasses.replace(started, attempt_started_at=0.0), rc) == []
 
 
 def test_replica_mismatch_and_checkpoint_problems(rc: RecoverySpec) -> None:

@@ -12,6 +12,7 @@ import pytest
 from prom_harness import Exporter, PrometheusServer
 
 from supervisor.prometheus import (
+    DARK_AFTER_S,
     QUERIED_FIELDS,
     PrometheusSource,
     PrometheusUnavailable,
@@ -133,8 +134,8 @@ def test_prometheus_source_observes_detects_and_reports_down(
         time.sleep(2.5)
         views = source.collect([R1, ("r9", 1)], time.time())
         # One query per metric for all runs, none per run (+ step times, + NaN-making nodes,
-        # + nodes behind their peers).
-        assert source.queries == len(QUERIED_FIELDS) + 3
+        # + nodes behind their peers, + dark nodes, + the steps their peers began).
+        assert source.queries == len(QUERIED_FIELDS) + 5
         r1 = views[R1]
         assert r1.health is SourceHealth.UP, r1
         assert views[("r9", 1)].health is SourceHealth.MISSING
@@ -286,7 +287,7 @@ def test_attempt_not_yet_in_prometheus_is_bridged_by_direct_scrapes(
     assert seen.health is SourceHealth.UP and not lookups  # Prometheus had it: no scrape
 
 
-def test_scrape_source_reads_endpoints_and_fails_down(
+def test_scrape_source_reads_endpoints_names_dark_nodes_and_fails_down(
     exporters: tuple[Exporter, Exporter],
 ) -> None:
     e1, e2 = exporters
@@ -306,9 +307,17 @@ def test_scrape_source_reads_endpoints_and_fails_down(
     assert latest.loss is not None and latest.nonfinite_total == 0
     assert set(latest.step_time) == {"n1", "n2"}
     assert second.samples[0].step < latest.step  # type: ignore[operator]
+    # n2's endpoint fails: the primary's values still come, n2 is dark once it has failed
+    # every scrape for DARK_AFTER_S (the view's clock is passed in, not slept).
     e2.stop()
+    now = time.time()
+    view = source.collect([R1], now)[R1]
+    assert view.health is SourceHealth.UP and view.dark_nodes == ()
+    later = source.collect([R1], now + DARK_AFTER_S)[R1]
+    assert later.dark_nodes == ("n2",) and later.peers_steady_s is not None
+    e1.stop()
     down = source.collect([R1], time.time())[R1]
-    assert down.health is SourceHealth.DOWN
+    assert down.health is SourceHealth.DOWN and down.dark_nodes == ()
 
 
 def test_parse_series_and_assemble_on_recorded_answers() -> None:
@@ -436,6 +445,79 @@ def test_reconciler_with_prometheus_stopped_takes_no_remedy(
         kinds = [a.kind for a in s.query(Action).filter(Action.run_id == run.id)]
     assert kinds == ["submit"]
     db.dispose()
+
+
+def test_history_keeps_a_node_dark_until_it_answers_and_times_its_peers_stillness() -> None:
+    history = SampleHistory(window_s=600, stale_after_s=30)
+    history.add(R1, MetricSample(t=100.0, step=7, loss=3.0, last_step_ts=100.0))
+    history.set_dark({R1: ["n1"]}, {R1: 8}, now=100.0)
+    assert history.view(R1, 100.0 + DARK_AFTER_S / 2).dark_nodes == ()  # one failed scrape
+    history.set_dark({R1: ["n1"]}, {R1: 8}, now=103.0)
+    view = history.view(R1, 100.0 + DARK_AFTER_S)
+    assert view.dark_nodes == ("n1",) and view.peers_steady_s == DARK_AFTER_S
+    history.set_dark({R1: ["n1"]}, {R1: 9}, now=106.0)  # the peers began a step
+    assert history.view(R1, 107.0).peers_steady_s == 1.0
+    # Stale with the dark node: the view keeps saying which node and for how long.
+    stale = history.view(R1, 140.0)
+    assert stale.health is SourceHealth.STALE and stale.dark_nodes == ("n1",)
+    history.set_dark({}, {}, now=141.0)  # it answered: dark again only after a fresh spell
+    assert history.view(R1, 142.0).dark_nodes == ()
+    history.set_dark({R1: ["n1"]}, {R1: 9}, now=143.0)
+    assert history.view(R1, 144.0).dark_nodes == ()
+
+
+@pytest.fixture
+def labelled_prometheus(
+    tmp_path: Path, exporters: tuple[Exporter, Exporter]
+) -> Iterator[PrometheusServer]:
+    """Targets labelled as the supervisor's service discovery labels them: `up` says which
+    run, attempt and node an endpoint is."""
+    labels = [{"run_id": R1[0], "attempt": str(R1[1]), "node": n} for n in ("n1", "n2")]
+    server = PrometheusServer(tmp_path, [e.port for e in exporters], labels=labels)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _hang_after(source: PrometheusSource, rc: RecoverySpec, within_s: float) -> list:
+    """Hang findings from ticks every 0.5 s until one comes or `within_s` passes."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = time.time()
+        found = detect_all(_snapshot(R1, source.collect([R1], now)[R1], now), rc)
+        hangs = [f for f in found if f.kind is FindingKind.HANG]
+        if hangs:
+            return hangs
+    return []
+
+
+def test_prometheus_source_blames_a_host_gone_dark_while_its_peers_wait(
+    labelled_prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
+) -> None:
+    """n1 exports the run's metrics. Its endpoint goes dark: while n2 still begins steps that
+    is a dead exporter, not a hang; once n2 stands still too it is a hang on n1, found from a
+    STALE view, and the policy excludes n1 (SLURM would say so only after its node timeout)."""
+    rc = RecoverySpec(hang_floor_seconds=6.0)
+    source = PrometheusSource(labelled_prometheus.url, stale_after_s=2.0, window_s=120.0)
+    e1, _ = exporters
+    with FakeTrainer(*exporters) as trainer:
+        labelled_prometheus.wait_for_series('nightwatch_train_step_entered{node="n2"}')
+        time.sleep(1.5)
+        assert source.collect([R1], time.time())[R1].health is SourceHealth.UP
+        e1.stop()
+        assert _hang_after(source, rc, within_s=rc.hang_floor_seconds + DARK_AFTER_S + 3) == []
+        trainer.hung_node = "n1"
+        stopped = time.monotonic()
+        (hang,) = _hang_after(source, rc, within_s=20)
+        found_s = time.monotonic() - stopped
+    assert hang.nodes == ("n1",) and hang.cause is Cause.NODE, hang
+    assert "n1 went dark" in hang.summary
+    snap = _snapshot(R1, source.collect([R1], time.time())[R1], time.time())
+    assert snap.metrics.health is SourceHealth.STALE
+    remedy = decide(snap, [hang], RunHistory(), rc)
+    assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == ("n1",)
+    print(f"\nhang on a dark node found {found_s:.1f} s after its peers stood still")
 
 
 def test_prometheus_source_names_the_node_that_never_began_the_step(

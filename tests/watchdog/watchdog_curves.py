@@ -155,6 +155,8 @@ def snapshot(
     prior: list[MetricSample] | None = None,
     nonfinite_grad_nodes: tuple[str, ...] = (),
     lagging_nodes: tuple[str, ...] = (),
+    dark_nodes: tuple[str, ...] = (),
+    peers_steady_s: float | None = None,
 ) -> Snapshot:
     last_t = samples[-1].t if samples else 1_000_000.0
     return Snapshot(
@@ -167,6 +169,8 @@ def snapshot(
             prior=tuple(prior or ()),
             nonfinite_grad_nodes=nonfinite_grad_nodes,
             lagging_nodes=lagging_nodes,
+            dark_nodes=dark_nodes,
+            peers_steady_s=peers_steady_s,
         ),
         job=JobView(
             health=job_health,
