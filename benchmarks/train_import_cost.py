@@ -1,10 +1,15 @@
 """Import cost of the training program: what every (re)start pays before the first step.
 
-Runs each stage in a fresh interpreter, several times, and prints the median seconds as JSON:
-`import torch`, then `megatron_runs.loop` (cpu_compat + megatron.core + our modules), and, for
-contrast, what the supervisor pays to read checkpoints (`megatron_runs.checkpointing`).
+Runs each stage in fresh interpreters, several times, and prints the median seconds as JSON:
+`import torch`, then `megatron_runs.loop` (cpu_compat + megatron.core + our modules) as a
+plain import and as the worker does it (`worker.task.import_entry`: the cyclic collector off
+during the import), and, for contrast, what the supervisor pays to read checkpoints
+(`megatron_runs.checkpointing`). With `--concurrent N`, N interpreters import at once, as the
+N ranks of one node do at every restart, and a stage's time is the slowest of them. The
+stages alternate within each repeat, so their ratio is measured side by side.
 
     .venv/bin/python benchmarks/train_import_cost.py --repeat 3
+    .venv/bin/python benchmarks/train_import_cost.py --repeat 5 --concurrent 4
 """
 
 from __future__ import annotations
@@ -18,38 +23,61 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: name → (untimed setup, timed statement)
 STAGES = {
-    "torch": "import torch",
-    "torch+megatron_runs.loop": "import megatron_runs.loop",
-    "megatron_runs.checkpointing (supervisor side)": "import megatron_runs.checkpointing",
+    "torch": ("pass", "import torch"),
+    "torch+megatron_runs.loop": (
+        "import importlib, worker.task",
+        "importlib.import_module('megatron_runs.loop')",
+    ),
+    "torch+megatron_runs.loop, collector off (worker.task.import_entry)": (
+        "from worker.task import import_entry",
+        "import_entry('megatron_runs.loop')",
+    ),
+    "megatron_runs.checkpointing (supervisor side)": (
+        "pass",
+        "import megatron_runs.checkpointing",
+    ),
 }
 
 TIMER = (
-    "import time, warnings; warnings.simplefilter('ignore'); t = time.perf_counter(); {stmt}; "
-    "print(time.perf_counter() - t)"
+    "import time, warnings; warnings.simplefilter('ignore'); {setup}; "
+    "t = time.perf_counter(); {stmt}; print(time.perf_counter() - t)"
 )
 
 
-def measure(stmt: str, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        out = subprocess.run(
-            [sys.executable, "-c", TIMER.format(stmt=stmt)],
-            capture_output=True,
+def once(setup: str, stmt: str, concurrent: int) -> float:
+    """Seconds of the slowest of `concurrent` interpreters running the stage at once."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TIMER.format(setup=setup, stmt=stmt)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             text=True,
-            check=True,
             cwd=ROOT,
         )
-        times.append(float(out.stdout.strip().splitlines()[-1]))
-    return statistics.median(times)
+        for _ in range(concurrent)
+    ]
+    times = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"{stmt!r} exited {proc.returncode}")
+        times.append(float(out.strip().splitlines()[-1]))
+    return max(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, default=1, help="interpreters importing at once")
     args = ap.parse_args()
-    result = {name: round(measure(stmt, args.repeat), 2) for name, stmt in STAGES.items()}
-    print(json.dumps({"median_seconds": result, "repeat": args.repeat}))
+    times: dict[str, list[float]] = {name: [] for name in STAGES}
+    for _ in range(args.repeat):
+        for name, (setup, stmt) in STAGES.items():
+            times[name].append(once(setup, stmt, args.concurrent))
+    result = {name: round(statistics.median(ts), 2) for name, ts in times.items()}
+    print(json.dumps({"median_seconds": result, **vars(args)}))
 
 
 if __name__ == "__main__":
