@@ -54,6 +54,7 @@ from benchmarks.soak.services import (
 from supervisor.auth import Scope
 
 JOB_NODES, PER_NODE = 2, 2
+HANG_FLOOR_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,10 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
         },
         "data": data,
         "checkpoint": {"interval_steps": mode.checkpoint_interval, "keep_last": 3},
-        # A CPU step is ~0.1-0.5 s: a 20 s no-progress floor is still > 40 steps.
-        "recovery": {"hang_floor_seconds": 20.0, "max_excluded_nodes": max(2, node_faults)},
+        # A CPU step is 0.1-0.2 s, and the longest gap between two steps of a healthy
+        # 2,000-step run was 1.03 s: a 10 s no-progress floor is > 50 steps and 10 × that
+        # gap (the default 60 s is 12-60 steps of a 1-5 s GPU step).
+        "recovery": {"hang_floor_seconds": HANG_FLOOR_S, "max_excluded_nodes": max(2, node_faults)},
         "faults": schedule.spec_faults() if schedule else [],
     }
 
