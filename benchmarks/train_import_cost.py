@@ -2,8 +2,8 @@
 
 Runs each stage in fresh interpreters, several times, and prints the median seconds as JSON:
 `import torch`, then `megatron_runs.loop` (cpu_compat + megatron.core + our modules) as a
-plain import and as the worker does it (`worker.task.import_entry`: the cyclic collector off
-during the import), and, for contrast, what the supervisor pays to read checkpoints
+plain import and as `megatron_runs.train.train` does it (`import_frozen`: the cyclic
+collector off during the import), and, for contrast, what the supervisor pays to read checkpoints
 (`megatron_runs.checkpointing`). With `--concurrent N`, N interpreters import at once, as the
 N ranks of one node do at every restart, and a stage's time is the slowest of them. The
 stages alternate within each repeat, so their ratio is measured side by side.
@@ -27,12 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = {
     "torch": ("pass", "import torch"),
     "torch+megatron_runs.loop": (
-        "import importlib, worker.task",
+        "import importlib, megatron_runs.train",
         "importlib.import_module('megatron_runs.loop')",
     ),
-    "torch+megatron_runs.loop, collector off (worker.task.import_entry)": (
-        "from worker.task import import_entry",
-        "import_entry('megatron_runs.loop')",
+    "torch+megatron_runs.loop, collector off (megatron_runs.train.import_frozen)": (
+        "from megatron_runs.train import import_frozen",
+        "import_frozen('megatron_runs.loop')",
     ),
     "megatron_runs.checkpointing (supervisor side)": (
         "pass",

@@ -10,7 +10,6 @@ supervisor, not submitit, decides requeues.
 
 from __future__ import annotations
 
-import gc
 import importlib
 import logging
 import os
@@ -18,7 +17,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, ModuleType
+from types import FrameType
 
 from worker.env import TaskInfo, dist_env, node_name, task_info
 from worker.registration import Registrar
@@ -92,7 +91,7 @@ class TrainingTask:
             extra=context,
         )
         _select_device(info.local_rank)
-        module = import_entry(self.entry)
+        module = importlib.import_module(self.entry)
         from supervisor.spec import RunSpec
 
         spec = RunSpec.model_validate_json(self.spec_json)
@@ -126,21 +125,6 @@ class TrainingTask:
             # and sacct shows it (e.g. FAILED 75:0 for a checkpointed preemption).
             sys.exit(code)
         return code
-
-
-def import_entry(name: str) -> ModuleType:
-    """Import the training program with the cyclic collector off, then freeze what it built.
-
-    torch and megatron-core allocate a few million long-lived objects on import and none of
-    them is garbage: the collections the allocations trigger are a fifth of the import's CPU,
-    paid by every rank at every restart (docs/benchmarks.md, "Restart cost"). Frozen, the
-    import's objects are also skipped by every later collection."""
-    gc.disable()
-    try:
-        return importlib.import_module(name)
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def _record_exit(info: TaskInfo, code: int) -> None:
