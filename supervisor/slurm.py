@@ -372,6 +372,12 @@ class SlurmCluster:
         because slurmdbd lags: a freshly submitted job is missing there for a while, and its
         node list lags behind the controller's. One sinfo call names the failed node(s) when
         some job hit NODE_FAIL.
+
+        A COMPLETING job is asked of sacct too: squeue shows only that flag, and only the nodes
+        still cleaning up, while sacct already has the ending and the whole allocation. A
+        NODE_FAIL is taken from there at once (its cure needs no log, and tearing down the
+        lost node's peers took 26 s in the soak); other endings wait for the teardown, whose
+        logs the crash blame reads.
         """
         if not job_ids:
             return {}
@@ -380,22 +386,29 @@ class SlurmCluster:
             self._run_squeue(["squeue", "-h", "-t", "all", "-j", ids, "-O", SQUEUE_FORMAT])
         )
         missing = [j for j in job_ids if j not in seen]
-        if missing:
-            seen.update(
-                parse_sacct(
-                    self._run(
-                        [
-                            "sacct",
-                            "-X",
-                            "-P",
-                            "-n",
-                            "-j",
-                            ",".join(missing),
-                            "-o",
-                            ",".join(SACCT_FIELDS),
-                        ]
-                    )
+        completing = [j for j, st in seen.items() if st.completing]
+        if missing or completing:
+            accounted = parse_sacct(
+                self._run(
+                    [
+                        "sacct",
+                        "-X",
+                        "-P",
+                        "-n",
+                        "-j",
+                        ",".join(missing + completing),
+                        "-o",
+                        ",".join(SACCT_FIELDS),
+                    ]
                 )
+            )
+            seen.update({j: accounted[j] for j in missing if j in accounted})
+            seen.update(
+                {
+                    j: accounted[j]
+                    for j in completing
+                    if j in accounted and accounted[j].state is JobState.NODE_FAIL
+                }
             )
         statuses = {j: seen.get(j, JobStatus(job_id=j, state=JobState.UNKNOWN)) for j in job_ids}
         if any(s.state is JobState.NODE_FAIL for s in statuses.values()):

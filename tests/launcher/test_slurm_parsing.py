@@ -10,6 +10,7 @@ from supervisor.slurm import (
     JobRequest,
     JobState,
     NodeInfo,
+    SlurmCluster,
     SourceUnavailable,
     expand_hostlist,
     parse_sacct,
@@ -112,6 +113,41 @@ def test_parse_squeue_decodes_wait_status():
     assert jobs["2"].state is JobState.RUNNING and jobs["2"].completing
     assert jobs["2"].nodes == ("n1",)
     assert not jobs["3"].completing and not jobs["5"].completing
+
+
+class ScriptedSlurm(SlurmCluster):
+    """The CLI's answers, captured from the devcluster 1 s after SLURM set a frozen n2 DOWN:
+    squeue shows job 2 COMPLETING on n1 alone, sacct already NODE_FAIL on n[1-2]."""
+
+    def __init__(self, sacct: str) -> None:
+        super().__init__()
+        self.answers = {
+            "squeue": "2|COMPLETING|n1|None|0|\n3|COMPLETING|n3|None|0|\n4|RUNNING|n5|None|0|\n",
+            "sacct": sacct,
+            "sinfo": "n1|alloc|\nn2|down*|Not responding\nn3|idle|\nn5|alloc|\n",
+        }
+        self.asked: list[list[str]] = []
+
+    def _run(self, cmd: list[str]) -> str:
+        self.asked.append(cmd)
+        return self.answers[cmd[0]]
+
+
+def test_a_completing_job_that_lost_a_node_is_a_node_failure_at_once():
+    """Job 2 lost n2 (NODE_FAIL in sacct): that, with the whole allocation and n2 named,
+    without waiting out the teardown of n1. Job 3 was cancelled: it stays COMPLETING (its
+    ending waits for the teardown, whose logs the crash blame reads)."""
+    slurm = ScriptedSlurm("2|NODE_FAIL|0:0|n[1-2]|None\n3|CANCELLED by 0|0:15|n[3-4]|None\n")
+    jobs = slurm.poll(["2", "3", "4"])
+    assert jobs["2"].state is JobState.NODE_FAIL and jobs["2"].nodes == ("n1", "n2")
+    assert jobs["2"].failed_nodes == ("n2",)
+    assert jobs["3"].state is JobState.RUNNING and jobs["3"].completing
+    assert jobs["4"].state is JobState.RUNNING and not jobs["4"].completing
+    sacct = next(cmd for cmd in slurm.asked if cmd[0] == "sacct")
+    assert sacct[sacct.index("-j") + 1] == "2,3"  # the completing jobs only, in one call
+    # slurmdbd lagging (sacct has no ending yet): squeue's COMPLETING stands.
+    lagging = ScriptedSlurm("2|RUNNING|0:0|n[1-2]|None\n").poll(["2"])
+    assert lagging["2"].state is JobState.RUNNING and lagging["2"].completing
 
 
 def test_failed_nodes_are_the_jobs_nodes_now_down():
