@@ -67,10 +67,10 @@ def import_frozen(name: str) -> ModuleType:
     """Import with the cyclic collector off, then freeze every object that exists.
 
     torch and megatron-core build a few million long-lived objects on import, none of them
-    garbage. Collected on the way, they cost a sixth of the import's CPU at every (re)start;
-    left unfrozen, every full collection during training walks them again, and a checkpoint
-    save allocates enough to trigger some (0.43 s a save frozen vs 0.64 s, docs/benchmarks.md
-    "Restart cost"). Here, not in the worker, so every launcher's ranks train alike."""
+    garbage. Collected on the way, they cost ≈ 14 % of the import at every (re)start; left
+    unfrozen, every full collection during training walks them again, and a checkpoint save
+    allocates enough to trigger some (0.43 s a save frozen vs 0.64 s; docs/benchmarks.md, the
+    eighth-session soak). Here, not in the worker, so every launcher's ranks train alike."""
     gc.disable()
     try:
         return importlib.import_module(name)

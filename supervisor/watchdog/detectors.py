@@ -556,11 +556,11 @@ def _hang_finding(
 ) -> Finding:
     """A hang, with the job's nodes as evidence, and blamed on the node that never began the
     step when the metrics name one (`hung_nodes`), else on the nodes gone dark (`dark`)."""
-    hung = hung_nodes(snap)
-    if hung:
-        summary += f"; {', '.join(hung)} never began it"
+    lagging = hung_nodes(snap)
+    hung = lagging or dark
+    if lagging:
+        summary += f"; {', '.join(lagging)} never began it"
     elif dark:
-        hung = dark
         summary += f"; {', '.join(dark)} went dark while its peers stood still"
     return Finding(
         kind=FindingKind.HANG,
@@ -569,7 +569,7 @@ def _hang_finding(
         evidence={
             **evidence,
             "job_nodes": list(snap.job.nodes),
-            "lagging_nodes": list(hung_nodes(snap)),
+            "lagging_nodes": list(lagging),
             "dark_nodes": list(dark),
             "peers_steady_seconds": snap.metrics.peers_steady_s,
         },
