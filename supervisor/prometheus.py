@@ -605,10 +605,11 @@ class ScrapeSource:
                 failed.add(key)
                 continue
             entered = {tg.node: v[STEP_ENTERED] for tg, v in ok if STEP_ENTERED in v}
+            furthest = max(entered.values(), default=None)
             if len(ok) < len(results):
                 dark[key] = [tg.node for tg, v in results if v is None]
-                if entered:
-                    peer_steps[key] = max(entered.values())
+                if furthest is not None:
+                    peer_steps[key] = furthest
             # A node that is not the primary exports its own run-level values; only with every
             # node answering may the first stand in for a primary not yet marked.
             primary = next((v for _, v in ok if PRIMARY_MARKER in v), None)
@@ -620,8 +621,7 @@ class ScrapeSource:
             self.history.add_nonfinite_nodes(
                 key, (tg.node for tg, v in ok if v.get(NONFINITE_GRADS, 0) > 0)
             )
-            if entered:
-                furthest = max(entered.values())
+            if furthest is not None:
                 behind[key] = [node for node, step in entered.items() if step < furthest]
         self.history.set_lagging_nodes(behind)
         self.history.set_dark(dark, peer_steps, now)

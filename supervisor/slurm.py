@@ -402,12 +402,11 @@ class SlurmCluster:
                     ]
                 )
             )
-            seen.update({j: accounted[j] for j in missing if j in accounted})
             seen.update(
                 {
-                    j: accounted[j]
-                    for j in completing
-                    if j in accounted and accounted[j].state is JobState.NODE_FAIL
+                    j: st
+                    for j, st in accounted.items()
+                    if j in missing or (j in completing and st.state is JobState.NODE_FAIL)
                 }
             )
         statuses = {j: seen.get(j, JobStatus(job_id=j, state=JobState.UNKNOWN)) for j in job_ids}
