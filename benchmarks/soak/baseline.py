@@ -30,6 +30,9 @@ from benchmarks.soak.score import Remedy
 from benchmarks.soak.services import PYTHON, REPO, Cluster
 from supervisor.slurm import JobState, SlurmCluster, SourceUnavailable
 
+#: No step for this long is a stall nothing in the baseline can end (a SLURM requeue after a
+#: node failure took 42-56 s in the fourth session's soak; a hang holds until gloo's timeout).
+STALL_S = 300.0
 #: Nightwatch's workers take 20000-29999 (worker.env.master_port); stay clear of them.
 MASTER_PORT_BASE = 30000
 
@@ -135,7 +138,14 @@ def run_baseline(
     faults = list(schedule.faults) if schedule else []
     try:
         injections, state = drive(
-            faults, follower, current_job, finished, injector, submit_t + budget_s, say
+            faults,
+            follower,
+            current_job,
+            finished,
+            injector,
+            submit_t + budget_s,
+            say,
+            stall_s=STALL_S,
         )
     finally:
         subprocess.run(
@@ -144,11 +154,13 @@ def run_baseline(
         injector.revive_all()
     progress = follower.poll()
     target = int(spec["training"]["train_steps"])
+    # stalled: it would have waited out its budget (see `drive`)
+    gave_up = submit_t + budget_s if state == "stalled" else time.time()
     restarts = [Remedy(s.t, "requeue") for s in progress.starts[1:]]
     return SystemRun(
         system=system,
         submit_t=submit_t,
-        end_t=end_time(progress, target, time.time()),
+        end_t=end_time(progress, target, gave_up),
         target_steps=target,
         progress=progress,
         injections=injections,
@@ -172,12 +184,13 @@ def save_reference(run: SystemRun, work: Path) -> None:
 
 
 def load_reference(work: Path, spec: dict[str, Any]) -> SystemRun:
-    """An earlier soak's reference run of the same spec (its `spec.json` must match), read
-    from its logs. Without its record (soaks before it was kept), the submission time is the
-    birth time of the job's output file, which slurmd creates as the job starts (0.5 s after
-    the submission where this was first needed): a little late, so the reference looks
-    faster and Nightwatch's ETTR against it lower, never higher."""
-    if json.loads((work / "spec.json").read_text()) != spec:
+    """An earlier soak's reference run of the same spec (its `spec.json` must match, but for
+    the supervisor's `recovery` settings), read from its logs. Without its record (soaks before
+    it was kept), the submission time is the birth time of the job's output file, which slurmd
+    creates as the job starts (0.5 s after the submission where this was first needed): a
+    little late, so the reference looks faster and Nightwatch's ETTR against it lower, never
+    higher."""
+    if _trained(json.loads((work / "spec.json").read_text())) != _trained(spec):
         raise ReferenceMismatch(f"{work / 'spec.json'} is not this soak's fault-free spec")
     progress = LogFollower(work / "logs", "*_0_log.out").poll()
     target = int(spec["training"]["train_steps"])
@@ -194,6 +207,11 @@ def load_reference(work: Path, spec: dict[str, Any]) -> SystemRun:
         system="reference", submit_t=submit_t, end_t=end_t, target_steps=target,
         progress=progress, injections=[], final_state="reused", extra={"reused_from": str(work)},
     )  # fmt: skip
+
+
+def _trained(spec: dict[str, Any]) -> dict[str, Any]:
+    """What the training program reads of a spec: all but the supervisor's `recovery`."""
+    return {k: v for k, v in spec.items() if k != "recovery"}
 
 
 def _birth_time(path: Path | None) -> float:

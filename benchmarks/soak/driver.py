@@ -26,6 +26,9 @@ MIN_GAP_S = 30.0
 #: (63 s seen, with up to a minute more left since `WALLTIME_LEFT_MIN` is 2); a preemption has
 #: its 30 s grace.
 SETTLE_S = {FaultKind.WALLTIME: 180.0, FaultKind.PREEMPTION: 45.0}
+#: torch.distributed's default collective timeout for gloo (and Megatron's
+#: `distributed_timeout_minutes`): the soonest a rank stuck in a collective gives up by itself.
+COLLECTIVE_TIMEOUT_S = 30 * 60.0
 
 
 def settle_s(fault: ScheduledFault, min_gap_s: float) -> float:
@@ -57,6 +60,11 @@ def end_time(progress: Progress, target: int, fallback: float) -> float:
     return ev.t if ev is not None else fallback
 
 
+def is_stalled(moved_t: float, now: float, deadline: float, stall_s: float) -> bool:
+    """No step for `stall_s`, and a stuck collective cannot time out before the deadline."""
+    return now - moved_t >= stall_s and moved_t + COLLECTIVE_TIMEOUT_S >= deadline
+
+
 def _gives_way_to(pending: Sequence[ScheduledFault], step: int) -> ScheduledFault | None:
     """The next spec-side fault, when `pending[0]`, due at `step`, was held back so long that
     less than half of its scheduled distance to it is left (the schedule spaces faults on
@@ -76,12 +84,19 @@ def drive(
     deadline: float,
     say: Callable[[str], None],
     min_gap_s: float = MIN_GAP_S,
+    stall_s: float | None = None,
 ) -> tuple[list[Injection], str]:
-    """Run until `finished()` names a final state or the deadline passes."""
+    """Run until `finished()` names a final state or the deadline passes.
+
+    With `stall_s`, a system that made no step for that long, when no rank can time out of a
+    stuck collective before the deadline, ends as "stalled": nothing it has can move it again
+    within its budget, so waiting out the rest would only cost the soak's wall time (its caller
+    books the rest of the budget as lost)."""
     pending = list(faults)
     done: list[Injection] = []
     state: str | None = None
     last_step = -1
+    moved_t = time.time()
     next_allowed = 0.0
     while True:
         now = time.time()
@@ -89,7 +104,13 @@ def drive(
         step = progress.max_step
         if step != last_step and step % 10 == 0:
             say(f"step {step}")
+        if step != last_step:
+            moved_t = now
         last_step = step
+        if stall_s is not None and is_stalled(moved_t, now, deadline, stall_s):
+            state = "stalled"
+            say(f"no step for {now - moved_t:.0f}s at step {step}: stalled until the deadline")
+            break
         while pending and step >= pending[0].at_step:
             fault = pending[0]
             if fault.spec_side:

@@ -116,3 +116,29 @@ def test_slow_faults_settle_longer_before_the_next_one() -> None:
     assert driver.settle_s(ScheduledFault(FaultKind.WALLTIME, 5, {}), 30) == 180
     prom = ScheduledFault(FaultKind.PROMETHEUS_RESTART, 5, {"down_s": 20})
     assert driver.settle_s(prom, 30) == 50
+
+
+def test_a_run_that_stops_stepping_ends_stalled_only_when_nothing_can_move_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The baseline sat 1,700 s in a hang in the seventh session's soak: no step for
+    `stall_s`, with the collective timeout past the deadline, ends the wait."""
+    clock = iter(range(1000, 3000, 10))
+    monkeypatch.setattr(driver.time, "time", lambda: float(next(clock)))
+    monkeypatch.setattr(driver.time, "sleep", lambda s: None)
+    write_steps(tmp_path / "1_0_log.out", 50)
+    _, state = driver.drive(
+        [],
+        LogFollower(tmp_path, "*_0_log.out"),
+        lambda: JobView("1", ("n1",), tmp_path),
+        lambda: None,
+        Recorder(),  # type: ignore[arg-type]
+        deadline=1000 + 900,
+        say=lambda msg: None,
+        stall_s=300,
+    )
+    assert state == "stalled"
+    assert driver.is_stalled(moved_t=1000, now=1300, deadline=1900, stall_s=300)
+    assert not driver.is_stalled(moved_t=1000, now=1290, deadline=1900, stall_s=300)
+    # a stuck rank would time out at 1000 + 1800, before this deadline: keep waiting
+    assert not driver.is_stalled(moved_t=1000, now=1300, deadline=3000, stall_s=300)

@@ -72,6 +72,8 @@ def test_acceptance_names_what_failed() -> None:
     failed = acceptance(bad, clean=True)
     assert any("step 90" in f for f in failed) and any("escalation" in f for f in failed)
     assert any("2 remedies" in f for f in failed)
+    assert acceptance(ok, clean=False, ettr_min=0.9) == []
+    assert acceptance(ok, clean=False, ettr_min=0.95) == ["ETTR vs reference 0.9 below 95%"]
 
 
 def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:
@@ -95,3 +97,7 @@ def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:
     assert (ref.submit_t, ref.end_t, ref.progress.max_step) == (100.0, 130.0, 2)
     with pytest.raises(ReferenceMismatch, match="not this soak"):
         load_reference(tmp_path, {**spec, "training": {"train_steps": 3}})
+    # the supervisor's recovery settings are not the training program's: a clean soak may
+    # reuse the reference of a fault schedule (which allows more node exclusions)
+    clean = {**spec, "recovery": {"max_excluded_nodes": 2}}
+    assert load_reference(tmp_path, clean).progress.max_step == 2
