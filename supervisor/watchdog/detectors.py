@@ -519,7 +519,12 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     that node's. Without one, the policy intersects the hung attempts' nodes.
 
     A dark node may be the one exporting the run's metrics, whose view then goes STALE: with
-    the peers' stillness as evidence that is still a hang, not a blind spot."""
+    the peers' stillness as evidence that is still a hang, not a blind spot.
+
+    Otherwise the stillness must be seen, not assumed: it counts up to the newest sample, not
+    to now. After a blind spot (Prometheus restarted, its first scrapes not yet in) the newest
+    sample still holds the step before it, and the gap is no evidence (the ninth session's
+    soak excluded a healthy node that way)."""
     if not _job_running(snap) or not snap.metrics.samples:
         return []
     latest = snap.metrics.samples[-1]
@@ -529,11 +534,9 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     limit = rc.hang_floor_seconds
     if typical:
         limit = max(rc.hang_factor * typical, limit)
-    idle = snap.now - latest.last_step_ts
-    if idle <= limit:
-        return []
     dark = dark_hung_nodes(snap, limit)
-    if not (_metrics_ok(snap) or dark):
+    idle = (snap.now if dark else latest.t) - latest.last_step_ts
+    if idle <= limit or not (_metrics_ok(snap) or dark):
         return []
     return [
         _hang_finding(
@@ -734,10 +737,14 @@ def detect_job_state(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
                 last_healthy_step=step,
             )
         ]
-    if job.state is JobState.FAILED:
+    summary = f"job {job.job_id} {job.state.value}" + (f": {job.reason}" if job.reason else "")
+    if job.state is JobState.FAILED and job.exit_code == EXIT_REQUEUE:
+        # The trainer checkpointed on SLURM's TERM or USR2 and asked to be requeued: a
+        # preemption or a walltime warning, not a failure (SLURM can only say FAILED 75).
+        kind, cause = FindingKind.JOB_PREEMPTED, Cause.INFRA
+        summary = f"job {job.job_id} checkpointed on a stop signal (exit 75): requeue"
+    elif job.state is JobState.FAILED:
         cause = job.cause or classify_failure(job.exit_code, job.reason)
-        if job.exit_code == EXIT_REQUEUE:
-            cause = Cause.INFRA
         kind = FindingKind.JOB_FAILED
     elif job.state in _JOB_FINDINGS:
         kind, cause = _JOB_FINDINGS[job.state]
@@ -748,8 +755,7 @@ def detect_job_state(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     return [
         Finding(
             kind=kind,
-            summary=f"job {job.job_id} {job.state.value}"
-            + (f": {job.reason}" if job.reason else ""),
+            summary=summary,
             cause=cause,
             evidence=evidence,
             fault_time=snap.now,

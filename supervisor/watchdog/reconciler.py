@@ -189,11 +189,15 @@ def job_view(
             return JobView(SourceHealth.UP, JobState.LOST, job_id=attempt.job_id)
         return JobView(health=SourceHealth.MISSING, job_id=attempt.job_id)
     cause, reason, hosts = log_cause
+    nodes = status.nodes
+    if status.completing and attempt.nodes_json:
+        # squeue lists a COMPLETING job on the nodes still tearing down, not on all of its own
+        nodes = tuple(attempt.nodes_json)
     return JobView(
         health=SourceHealth.UP,
         state=_JOB_STATE[status.state],
         job_id=status.job_id,
-        nodes=status.nodes,
+        nodes=nodes,
         exit_code=status.exit_code,
         reason=reason or status.reason or None,
         failed_nodes=status.failed_nodes or hosts,

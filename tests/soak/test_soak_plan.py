@@ -72,8 +72,8 @@ def test_acceptance_names_what_failed() -> None:
     failed = acceptance(bad, clean=True)
     assert any("step 90" in f for f in failed) and any("escalation" in f for f in failed)
     assert any("2 remedies" in f for f in failed)
-    assert acceptance(ok, clean=False, ettr_min=0.9) == []
-    assert acceptance(ok, clean=False, ettr_min=0.95) == ["ETTR vs reference 0.9 below 95%"]
+    assert acceptance(ok, clean=False, ettr_min=0.4) == []
+    assert acceptance(ok, clean=False, ettr_min=0.95) == ["ETTR 0.5 below 95%"]
 
 
 def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:

@@ -164,6 +164,11 @@ def test_straggler_names_the_slow_node(rc: RecoverySpec) -> None:
     assert f.nodes == ("n2",) and f.cause is Cause.NODE and f.evidence["ratio"] > 1.5
 
 
+def upto(samples: list[MetricSample], t: float) -> list[MetricSample]:
+    """The samples a source had answered with by time `t`."""
+    return [x for x in samples if x.t <= t]
+
+
 def test_hang_uses_median_step_time_with_a_floor(rc: RecoverySpec) -> None:
     samples = simulate(7, steps=200, faults=Faults(hang_at=150), step_seconds=10.0)
     last = samples[-1]
@@ -176,12 +181,32 @@ def test_hang_uses_median_step_time_with_a_floor(rc: RecoverySpec) -> None:
     assert f.nodes == () and f.evidence["job_nodes"] == list(snapshot(samples).job.nodes)
     assert f.evidence["idle_seconds"] > f.evidence["limit_seconds"] >= 90
     assert hung_for > 400
-    just_started = snapshot(samples, now=last.last_step_ts + 30)  # type: ignore[operator]
-    assert detect_hang(just_started, rc) == []
+    hung_at = last.last_step_ts
+    assert hung_at is not None
+    assert detect_hang(snapshot(upto(samples, hung_at + 30)), rc) == []
     # A fast run still gets the 60 s floor.
-    fast = simulate(7, steps=100, faults=Faults(hang_at=90), step_seconds=0.1)
-    assert detect_hang(snapshot(fast, now=fast[-1].last_step_ts + 59), rc) == []  # type: ignore[operator]
-    assert detect_hang(snapshot(fast, now=fast[-1].last_step_ts + 61), rc) != []  # type: ignore[operator]
+    fast = simulate(7, steps=1000, faults=Faults(hang_at=90), step_seconds=0.1)
+    hung_at = fast[-1].last_step_ts
+    assert hung_at is not None
+    assert detect_hang(snapshot(upto(fast, hung_at + 59)), rc) == []
+    assert detect_hang(snapshot(upto(fast, hung_at + 61)), rc) != []
+
+
+def test_a_hang_is_seen_not_assumed_across_a_blind_spot(rc: RecoverySpec) -> None:
+    """Prometheus down 11 s in the ninth session's soak: its first answers after the restart
+    held the step before it, and the 14 s since the last step convicted a healthy node. The
+    silence counts up to the newest sample; samples that keep showing it still convict."""
+    fast = simulate(7, steps=1700, faults=Faults(hang_at=900), step_seconds=0.1)
+    healthy = upto(fast, fast[0].t + 80)  # the last sample before the outage, step ~800
+    last = healthy[-1]
+    assert last.last_step_ts is not None and last.step < 900
+    blind = snapshot(healthy, now=last.t + 70, lagging_nodes=("n3",))
+    assert blind.metrics.health is SourceHealth.UP  # within the view's staleness allowance
+    assert detect_hang(blind, rc) == []
+    hung_at = fast[-1].last_step_ts
+    assert hung_at is not None
+    (f,) = detect_hang(snapshot(upto(fast, hung_at + 61), lagging_nodes=("n3",)), rc)
+    assert f.nodes == ("n3",) and f.evidence["idle_seconds"] > 60
 
 
 def test_hang_names_the_node_that_never_began_the_step(rc: RecoverySpec) -> None:
@@ -231,8 +256,8 @@ def test_hang_blames_a_node_gone_dark_while_its_peers_stood_still(rc: RecoverySp
 
 
 def test_hang_needs_a_running_job(rc: RecoverySpec) -> None:
-    samples = simulate(7, steps=100, faults=Faults(hang_at=50))
-    now = samples[-1].t + 1000
+    samples = simulate(7, steps=300, faults=Faults(hang_at=50))
+    now = samples[-1].t + 0.5
     assert detect_hang(snapshot(samples, now=now), rc) != []
     assert detect_hang(snapshot(samples, now=now, job_state=JobState.PENDING), rc) == []
     assert detect_hang(snapshot(samples, now=now, job_health=SourceHealth.DOWN), rc) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,11 @@ from supervisor.models import (
     Run,
     RunState,
 )
-from supervisor.slurm import JobState, SourceUnavailable
+from supervisor.slurm import JobState, JobStatus, SourceUnavailable
 from supervisor.spec import RunSpec
 from supervisor.watchdog import accounting
 from supervisor.watchdog.actions import checkpoint_dir
-from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig, log_cause
+from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig, job_view, log_cause
 from supervisor.watchdog.snapshot import Cause, FindingKind, MetricSample, RemedyKind
 
 
@@ -262,10 +263,14 @@ def test_exit_75_is_recorded_as_preempted_and_requeued(db: Database, tmp_path: P
     cluster, source = FakeCluster(), FakeSource()
     rec, run_id, job = running(db, tmp_path, cluster, source)
     cluster.set(job, JobState.FAILED, exit_code=75)
-    assert rec.tick().remedies[run_id].kind is RemedyKind.REQUEUE
+    result = rec.tick()
+    assert result.remedies[run_id].kind is RemedyKind.REQUEUE
+    assert [f.kind for f in result.findings[run_id]] == [FindingKind.JOB_PREEMPTED]
     first, second = rows(db, Attempt, run_id)
     assert first.state is AttemptState.PREEMPTED and first.exit_code == 75
     assert second.resume_step is None  # the trainer picks the checkpoint it wrote on the signal
+    (incident,) = rows(db, Incident, run_id)
+    assert incident.kind == "job_preempted"  # what on-call reads: not a failure
 
 
 def test_node_fail_excludes_the_node_and_resubmits(db: Database, tmp_path: Path) -> None:
@@ -541,3 +546,18 @@ def test_a_run_without_samples_takes_no_ettr_refresh_slot(
     _healthy(source, busy)
     assert rec.tick().ettr_refreshes == 1
     assert _ettr_exported(rec, busy) and not _ettr_exported(rec, quiet)
+
+
+def test_a_completing_job_keeps_the_attempts_nodes() -> None:
+    """squeue lists a COMPLETING job on the nodes still tearing down (`COMPLETING|n1` after n2
+    froze, on the devcluster): a remedy chosen then must see both of the attempt's nodes."""
+    attempt = Attempt(
+        run_id="r", number=1, job_id="7", executor="slurm", nodes_json=["n1", "n2"],
+        state=AttemptState.RUNNING, submitted_at=datetime.now(UTC),
+    )  # fmt: skip
+    ending = JobStatus("7", JobState.RUNNING, ("n1",), raw_state="COMPLETING")
+    view = job_view(ending, slurm_up=True, attempt=attempt, now=time.time(), lost_after_s=60)
+    assert view.nodes == ("n1", "n2") and view.completing
+    running = JobStatus("7", JobState.RUNNING, ("n1", "n3"), raw_state="RUNNING")
+    view = job_view(running, slurm_up=True, attempt=attempt, now=time.time(), lost_after_s=60)
+    assert view.nodes == ("n1", "n3")
