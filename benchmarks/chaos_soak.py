@@ -116,7 +116,12 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
             "lr_warmup_steps": 10,
         },
         "data": data,
-        "checkpoint": {"interval_steps": mode.checkpoint_interval, "keep_last": 3},
+        # A rollback's target must outlive the detection (10 s hang floor): 30 s of saves.
+        "checkpoint": {
+            "interval_steps": mode.checkpoint_interval,
+            "keep_last": 3,
+            "keep_seconds": 30.0,
+        },
         # A CPU step is 0.1-0.2 s, and the longest gap between two steps of a healthy
         # 2,000-step run was 1.03 s: a 10 s no-progress floor is > 50 steps and 10 × that
         # gap (the default 60 s is 12-60 steps of a 1-5 s GPU step).

@@ -127,9 +127,10 @@ def save(
     layout: dict[str, int],
     keep_last: int,
     protect: set[int] | None = None,
+    keep_seconds: float = 0.0,
 ) -> Path:
     """Write to `.tmp_iter_*`, verify, rename, update `latest`, apply retention (sparing the
-    steps in `protect`)."""
+    steps in `protect` and those saved within `keep_seconds` of this one)."""
     _in_process_results_queue()
     rank = torch.distributed.get_rank()
     tmp = ck.tmp_dir(root, step)
@@ -145,7 +146,7 @@ def save(
         _fsync_tree(tmp)
         ck.write_meta(tmp, step, consumed_samples, loss, layout)
         ck.publish(root, step)
-        ck.retain(root, keep_last, protect)
+        ck.retain(root, keep_last, protect, keep_seconds)
     _barrier()
     return ck.step_dir(root, step)
 

@@ -519,8 +519,9 @@ def _checkpoint(
     t0 = time.perf_counter()
     protect = {resumed_from} if resumed_from else set()
     try:
+        c = spec.checkpoint
         path = dist_ckpt.save(
-            model, optimizer, root, step, cursor, loss, layout, spec.checkpoint.keep_last, protect
+            model, optimizer, root, step, cursor, loss, layout, c.keep_last, protect, c.keep_seconds
         )
     except Exception as exc:  # a failed save is reported; the run goes on (retry next interval)
         if metrics is not None:

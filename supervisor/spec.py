@@ -129,6 +129,13 @@ class DataSpec(_Strict):
 class CheckpointSpec(_Strict):
     interval_steps: PositiveInt = 100
     keep_last: PositiveInt = 3
+    keep_seconds: float = Field(
+        default=120.0,
+        ge=0,
+        description="Also keep every checkpoint saved within this many seconds of the newest: "
+        "a rollback needs one from before a fault the watchdog saw seconds later, which "
+        "keep_last alone rotates out when steps are fast.",
+    )
     dir: str | None = Field(
         default=None, description="Default: $NIGHTWATCH_HOME/runs/<run id>/checkpoints."
     )

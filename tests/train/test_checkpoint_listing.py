@@ -83,6 +83,23 @@ def test_retention_keeps_last_complete_and_drops_stale(tmp_path: Path) -> None:
     assert ck.tmp_dir(tmp_path, 9) in removed
 
 
+def test_retention_keeps_a_time_window_behind_the_newest(tmp_path: Path) -> None:
+    """Saves 0.6 s apart (the ninth session's soak): `keep_last` 3 alone had pruned the last
+    checkpoint before a loss spike by the time it was seen, and the rollback went 1,968 steps
+    back to the one the attempt resumed from."""
+    for step in range(10, 110, 10):
+        tmp = ck.tmp_dir(tmp_path, step)
+        tmp.mkdir(parents=True)
+        (tmp / "__0_0.distcp").write_bytes(b"x")
+        ck.write_meta(tmp, step, 8 * step, 2.5, LAYOUT, saved_at=1000.0 + 0.06 * step)
+        ck.publish(tmp_path, step)
+        ck.retain(tmp_path, keep_last=3, keep_seconds=2.0)
+    # saved at 1000.6 ... 1006.0: within 2 s of the newest are 1004.2 (step 70) and later
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [70, 80, 90, 100]
+    ck.retain(tmp_path, keep_last=3)
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [80, 90, 100]
+
+
 def test_list_of_missing_dir_is_empty(tmp_path: Path) -> None:
     assert ck.list_checkpoints(tmp_path / "nope") == []
 
