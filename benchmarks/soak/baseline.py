@@ -185,11 +185,11 @@ def save_reference(run: SystemRun, work: Path) -> None:
 
 def load_reference(work: Path, spec: dict[str, Any]) -> SystemRun:
     """An earlier soak's reference run of the same spec (its `spec.json` must match, but for
-    the supervisor's `recovery` settings), read from its logs. Without its record (soaks before
-    it was kept), the submission time is the birth time of the job's output file, which slurmd
-    creates as the job starts (0.5 s after the submission where this was first needed): a
-    little late, so the reference looks faster and Nightwatch's ETTR against it lower, never
-    higher."""
+    the supervisor's `recovery` settings and the checkpoints' retention), read from its logs.
+    Without its record (soaks before it was kept), the submission time is the birth time of
+    the job's output file, which slurmd creates as the job starts (0.5 s after the submission
+    where this was first needed): a little late, so the reference looks faster and
+    Nightwatch's ETTR against it lower, never higher."""
     if _trained(json.loads((work / "spec.json").read_text())) != _trained(spec):
         raise ReferenceMismatch(f"{work / 'spec.json'} is not this soak's fault-free spec")
     progress = LogFollower(work / "logs", "*_0_log.out").poll()
@@ -209,9 +209,17 @@ def load_reference(work: Path, spec: dict[str, Any]) -> SystemRun:
     )  # fmt: skip
 
 
+#: Checkpoint settings that decide only which saves are kept, never what is trained.
+RETENTION = ("keep_last", "keep_seconds")
+
+
 def _trained(spec: dict[str, Any]) -> dict[str, Any]:
-    """What the training program reads of a spec: all but the supervisor's `recovery`."""
-    return {k: v for k, v in spec.items() if k != "recovery"}
+    """What decides the training a spec makes: all but the supervisor's `recovery` and the
+    checkpoints' retention (the same steps, samples and losses either way)."""
+    out = {k: v for k, v in spec.items() if k != "recovery"}
+    if "checkpoint" in out:
+        out["checkpoint"] = {k: v for k, v in out["checkpoint"].items() if k not in RETENTION}
+    return out
 
 
 def _birth_time(path: Path | None) -> float:

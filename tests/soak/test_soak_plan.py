@@ -99,5 +99,5 @@ def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:
         load_reference(tmp_path, {**spec, "training": {"train_steps": 3}})
     # the supervisor's recovery settings are not the training program's: a clean soak may
     # reuse the reference of a fault schedule (which allows more node exclusions)
-    clean = {**spec, "recovery": {"max_excluded_nodes": 2}}
+    clean = {**spec, "recovery": {"max_excluded_nodes": 2}, "checkpoint": {"keep_seconds": 30}}
     assert load_reference(tmp_path, clean).progress.max_step == 2
