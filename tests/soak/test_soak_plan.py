@@ -79,7 +79,11 @@ def test_acceptance_names_what_failed() -> None:
 def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:
     """A re-soak may skip the fault-free reference (its spec alone decides it), never with
     a reference of another spec or one that stopped short."""
-    spec = {"training": {"train_steps": 2}, "faults": []}
+    spec = {
+        "training": {"train_steps": 2},
+        "checkpoint": {"interval_steps": 10, "keep_last": 3},
+        "faults": [],
+    }
     (tmp_path / "logs").mkdir()
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "run.json").write_text(json.dumps({"submit_t": 100.0, "end_t": 130.0}))
@@ -99,5 +103,6 @@ def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:
         load_reference(tmp_path, {**spec, "training": {"train_steps": 3}})
     # the supervisor's recovery settings are not the training program's: a clean soak may
     # reuse the reference of a fault schedule (which allows more node exclusions)
-    clean = {**spec, "recovery": {"max_excluded_nodes": 2}, "checkpoint": {"keep_seconds": 30}}
+    retention = {"interval_steps": 10, "keep_last": 5, "keep_seconds": 30}
+    clean = {**spec, "recovery": {"max_excluded_nodes": 2}, "checkpoint": retention}
     assert load_reference(tmp_path, clean).progress.max_step == 2
