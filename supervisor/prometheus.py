@@ -11,8 +11,10 @@ trailing window of samples and an honest health — so detectors cannot tell the
   no Prometheus server is configured), parsing with prometheus_client's text parser.
 
 Failures make a view DOWN, old data makes it STALE, no data makes it MISSING: never UP.
-A node whose endpoint alone fails is reported beside the view (`dark_nodes`), with how long
-its answering peers have stood still, rather than failing the whole view.
+A node whose endpoint alone fails is reported beside the view, with how long its answering
+peers have stood still, rather than failing the whole view: as `dark_nodes` when its host
+answers nothing (frozen, dead, cut off), as `exited_nodes` when the host refuses the
+connection (its training processes are gone, the host is not).
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ STEP_ENTERED = "nightwatch_train_step_entered"
 LAGGING_QUERY = (
     f"{STEP_ENTERED} < on(run_id, attempt) group_left max by (run_id, attempt) ({STEP_ENTERED})"
 )
-#: Scrape targets of runs that failed their latest scrape (`up` is Prometheus's own series).
-DARK_QUERY = 'up{run_id!=""} == 0'
+#: Scrape targets of runs that failed their latest scrape, valued by how long that scrape
+#: took (`up` and `scrape_duration_seconds` are Prometheus's own series).
+DARK_QUERY = 'scrape_duration_seconds{run_id!=""} and up{run_id!=""} == 0'
 #: The furthest step the answering nodes began, only for attempts with a dark node.
 PEER_STEP_QUERY = (
     f"max by (run_id, attempt) ({STEP_ENTERED}) and on(run_id, attempt) ({DARK_QUERY})"
@@ -77,6 +80,10 @@ PEER_STEP_QUERY = (
 #: A node's endpoint must fail every scrape this long before it counts as dark: one
 #: timed-out scrape of a busy exporter is not a dead host.
 DARK_AFTER_S = 5.0
+#: A failed scrape quicker than this was refused: the host answered, but nothing listened
+#: (the node's training processes exited, as after a rank crash). A frozen or dead host
+#: answers nothing, and its scrape fails at the scrape timeout (1 s and more).
+REFUSED_WITHIN_S = 0.25
 #: The run-level metrics come from the node that exports this one (global rank 0's).
 PRIMARY_MARKER = "nightwatch_train_loss"
 #: What the detectors need; PrometheusSource queries only these (one query each).
@@ -160,6 +167,7 @@ class SampleHistory:
         self._nonfinite_nodes: dict[RunKey, frozenset[str]] = {}
         self._lagging_nodes: dict[RunKey, tuple[str, ...]] = {}
         self._dark_since: dict[RunKey, dict[str, float]] = {}
+        self._refused: dict[RunKey, frozenset[str]] = {}
         self._peer_step: dict[RunKey, tuple[float, float]] = {}
 
     def add(self, key: RunKey, sample: MetricSample) -> None:
@@ -181,16 +189,24 @@ class SampleHistory:
         self._lagging_nodes = {k: tuple(sorted(set(v))) for k, v in lagging.items() if v}
 
     def set_dark(
-        self, dark: Mapping[RunKey, Iterable[str]], peer_steps: Mapping[RunKey, float], now: float
+        self,
+        failing: Mapping[RunKey, Mapping[str, float]],
+        peer_steps: Mapping[RunKey, float],
+        now: float,
     ) -> None:
-        """The nodes whose endpoint failed at this answer (dark from the first answer that
-        showed it so until one shows it answering), and the furthest step the answering
-        nodes of such an attempt had begun (steady from the first answer with that value)."""
+        """The nodes whose endpoint failed at this answer, with how long that scrape took
+        (failing from the first answer that showed it so until one shows it answering), and
+        the furthest step the answering nodes of such an attempt had begun (steady from the
+        first answer with that value)."""
         since: dict[RunKey, dict[str, float]] = {}
-        for key, nodes in dark.items():
+        for key, nodes in failing.items():
             seen = self._dark_since.get(key, {})
-            since[key] = {n: seen.get(n, now) for n in set(nodes)}
+            since[key] = {n: seen.get(n, now) for n in nodes}
         self._dark_since = {k: v for k, v in since.items() if v}
+        self._refused = {
+            key: frozenset(n for n, s in nodes.items() if s < REFUSED_WITHIN_S)
+            for key, nodes in failing.items()
+        }
         steps: dict[RunKey, tuple[float, float]] = {}
         for key, step in peer_steps.items():
             seen_step = self._peer_step.get(key)
@@ -198,13 +214,18 @@ class SampleHistory:
         self._peer_step = steps
 
     def _dark(self, key: RunKey, now: float) -> dict[str, Any]:
-        """The view's dark nodes (dark for DARK_AFTER_S) and how long their peers stood still."""
-        dark = sorted(
-            n for n, t in self._dark_since.get(key, {}).items() if now - t >= DARK_AFTER_S
-        )
+        """The view's nodes failing their scrapes: dark or exited once they have for
+        DARK_AFTER_S, failing before; and how long their peers stood still."""
+        since = self._dark_since.get(key, {})
+        settled = {n for n, t in since.items() if now - t >= DARK_AFTER_S}
+        refused = self._refused.get(key, frozenset())
         peer = self._peer_step.get(key)
-        steady = now - peer[1] if dark and peer else None
-        return {"dark_nodes": tuple(dark), "peers_steady_s": steady}
+        return {
+            "dark_nodes": tuple(sorted(settled - refused)),
+            "exited_nodes": tuple(sorted(settled & refused)),
+            "failing_nodes": tuple(sorted(set(since) - settled)),
+            "peers_steady_s": now - peer[1] if settled and peer else None,
+        }
 
     def view(self, key: RunKey, now: float, health: SourceHealth = SourceHealth.UP) -> MetricsView:
         """The key's window; UP only when the source answered and its newest sample is fresh."""
@@ -367,6 +388,18 @@ def _nodes_by_key(series: Iterable[Series], wanted: set[RunKey]) -> dict[RunKey,
     return out
 
 
+def _failed_scrapes(
+    series: Iterable[Series], wanted: set[RunKey]
+) -> dict[RunKey, dict[str, float]]:
+    """Node → how long its failed scrape took, by the watched attempt it belongs to."""
+    out: dict[RunKey, dict[str, float]] = {}
+    for s in series:
+        key = _key(s.labels, wanted)
+        if key is not None and s.points:
+            out.setdefault(key, {})[s.labels.get("node", "")] = s.points[-1][1]
+    return out
+
+
 def _key(labels: Mapping[str, str], wanted: set[RunKey]) -> RunKey | None:
     try:
         key = (labels["run_id"], int(labels["attempt"]))
@@ -473,7 +506,7 @@ class PrometheusSource:
             for s in peers
             if (key := _key(s.labels, wanted)) is not None and s.points
         }
-        self.history.set_dark(_nodes_by_key(dark, wanted), peer_steps, now)
+        self.history.set_dark(_failed_scrapes(dark, wanted), peer_steps, now)
         self._scraped_by_prometheus &= set(keys)
         behind |= self._bridge([k for k in keys if k not in self._scraped_by_prometheus], now)
         self.history.set_lagging_nodes(behind)
@@ -574,17 +607,19 @@ class ScrapeSource:
     def close(self) -> None:
         self._client.close()
 
-    def _scrape(self, target: Target) -> dict[str, float] | None:
+    def _scrape(self, target: Target) -> tuple[dict[str, float] | None, float]:
+        """The endpoint's values (None when the scrape failed) and how long it took."""
+        started = time.monotonic()
         try:
             resp = self._client.get(f"http://{target.host}:{target.port}/metrics")
             resp.raise_for_status()
-            return parse_exposition(resp.text)
+            return parse_exposition(resp.text), time.monotonic() - started
         except (httpx.HTTPError, ValueError) as exc:
             log.info(
                 f"scrape of {target.node} failed: {exc}",
                 extra={"run_id": target.run_id, "attempt": target.attempt},
             )
-            return None
+            return None, time.monotonic() - started
 
     def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]:
         wanted = set(keys)
@@ -593,11 +628,13 @@ class ScrapeSource:
             scraped = list(pool.map(self._scrape, targets))
         t = time.time()
         by_key: dict[RunKey, list[tuple[Target, dict[str, float] | None]]] = {}
-        for target, values in zip(targets, scraped, strict=True):
+        took: dict[Target, float] = {}
+        for target, (values, seconds) in zip(targets, scraped, strict=True):
             by_key.setdefault(target.key, []).append((target, values))
+            took[target] = seconds
         failed: set[RunKey] = set()
         behind: dict[RunKey, list[str]] = {}
-        dark: dict[RunKey, list[str]] = {}
+        dark: dict[RunKey, dict[str, float]] = {}
         peer_steps: dict[RunKey, float] = {}
         for key, results in by_key.items():
             ok = [(tg, v) for tg, v in results if v is not None]
@@ -607,7 +644,7 @@ class ScrapeSource:
             entered = {tg.node: v[STEP_ENTERED] for tg, v in ok if STEP_ENTERED in v}
             furthest = max(entered.values(), default=None)
             if len(ok) < len(results):
-                dark[key] = [tg.node for tg, v in results if v is None]
+                dark[key] = {tg.node: took[tg] for tg, v in results if v is None}
                 if furthest is not None:
                     peer_steps[key] = furthest
             # A node that is not the primary exports its own run-level values; only with every

@@ -10,7 +10,8 @@ Definitions (the same for Nightwatch and the baseline):
 - cured by: the last remedy of the window; right action: it is one of `schedule.CURES[kind]`
   (infra faults: no remedy at all is the right action), and an exclusion names the faulty node.
 - recovered: a process group that started after the last remedy trained past its resume
-  step; MTTR = that moment − fault time.
+  step; MTTR = that moment − fault time. When the next fault struck every such group of the
+  window first (a restart placed on the sick node), the first later group that trains on.
 - steps lost: for each restart in the window, the step the previous run had reached minus the
   step the restart resumed from.
 - ETTR: good steps of the final trajectory × the system's own pace / wall time (submit →
@@ -198,7 +199,12 @@ def score_fault(
         )  # fmt: skip
     cured_by = mine[-1].kind if mine else None
     last = mine[-1].t if mine else t0
-    recovered_t = _recovery(progress, [s for s in starts if s.t >= last])
+    cured_in = [s for s in starts if s.t >= last]
+    recovered_t = _recovery(progress, cured_in)
+    if recovered_t is None and cured_in:
+        # The next fault struck the group this remedy started before it trained a good step
+        # (it was placed on the sick node): the first later group that does recovers both.
+        recovered_t = _recovery(progress, [s for s in progress.starts if s.t > t1])
     return FaultScore(
         kind=kind.value,
         at_step=inj.fault.at_step,

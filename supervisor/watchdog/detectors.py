@@ -4,7 +4,8 @@ Rules every detector keeps:
 - metrics-based detectors look only at an UP metrics view; stale, missing or failed data
   yields no finding (the policy reports it, nothing convicts or clears on it). The one
   exception is a hang whose staleness is itself the evidence: the node exporting the run's
-  metrics went dark while its peers, still answering, stood still (`dark_hung_nodes`);
+  metrics went dark or exited while its peers, still answering, stood still
+  (`silent_hung_nodes`);
 - job-based detectors look only at an UP SLURM view;
 - "sustained" is counted in distinct training steps, never in repeated scrapes of one step;
 - the onset of a numeric fault is bounded by the last sample seen healthy (a NaN seen
@@ -240,12 +241,15 @@ def detect_loss_spike(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     if not own:
         return []
     resumed_at = own[0].step or 0
-    since = resumed_at - rc.loss_spike_window  # a far older lineage is no baseline
-    prior = [
-        p
-        for p in by_step(snap.metrics.prior)
-        if _finite(p.loss) and since <= (p.step or 0) < resumed_at
+    below = [
+        p for p in by_step(snap.metrics.prior) if _finite(p.loss) and (p.step or 0) < resumed_at
     ]
+    # A far older lineage is no baseline: the loss window before the resume point, or its
+    # last BASELINE_MIN_POINTS samples when scrapes are sparse (as `_baseline` does).
+    since = resumed_at - rc.loss_spike_window
+    prior = [p for p in below if (p.step or 0) >= since]
+    if len(prior) < BASELINE_MIN_POINTS:
+        prior = below[-BASELINE_MIN_POINTS:]
     points = prior + own
     if len(points) <= MIN_BASELINE_SAMPLES:
         return []
@@ -515,11 +519,17 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
 
     Every rank stalls in the collective, so the job's nodes (in the evidence) say nothing
     about which one hung; the node that never began the step does (`hung_nodes`), and so
-    does a node gone dark while its peers stood still (`dark_hung_nodes`): the hang is then
+    does a node gone dark while its peers stood still (`silent_hung_nodes`): the hang is then
     that node's. Without one, the policy intersects the hung attempts' nodes.
 
-    A dark node may be the one exporting the run's metrics, whose view then goes STALE: with
-    the peers' stillness as evidence that is still a hang, not a blind spot.
+    A node whose processes exited (its host refused the scrape) is no one's fault: its rank
+    crashed and took the node's exporter along, while the peers wait in a collective that
+    will never end. That hang names nobody, and the cure is a restart.
+
+    A silent node may be the one exporting the run's metrics, whose view then goes STALE:
+    with the peers' stillness as evidence that is still a hang, not a blind spot. While a
+    node fails its scrapes but not yet for DARK_AFTER_S, the verdict waits for it: judged
+    earlier, a frozen host would be a hang that names nobody.
 
     Otherwise the stillness must be seen, not assumed: it counts up to the newest sample, not
     to now. After a blind spot (Prometheus restarted, its first scrapes not yet in) the newest
@@ -534,9 +544,13 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     limit = rc.hang_floor_seconds
     if typical:
         limit = max(rc.hang_factor * typical, limit)
-    dark = dark_hung_nodes(snap, limit)
-    idle = (snap.now if dark else latest.t) - latest.last_step_ts
-    if idle <= limit or not (_metrics_ok(snap) or dark):
+    dark = silent_hung_nodes(snap, snap.metrics.dark_nodes, limit)
+    exited = silent_hung_nodes(snap, snap.metrics.exited_nodes, limit)
+    silent = dark or exited
+    idle = (snap.now if silent else latest.t) - latest.last_step_ts
+    if idle <= limit or not (_metrics_ok(snap) or silent):
+        return []
+    if not silent and set(snap.metrics.failing_nodes) & set(snap.job.nodes):
         return []
     return [
         _hang_finding(
@@ -544,6 +558,7 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}",
             {"idle_seconds": idle, "limit_seconds": limit, "median_step_time": typical},
             dark=dark,
+            exited=exited,
             fault_time=latest.last_step_ts,
             last_healthy_step=latest.step,
         )
@@ -555,6 +570,7 @@ def _hang_finding(
     summary: str,
     evidence: dict[str, Any],
     dark: tuple[str, ...] = (),
+    exited: tuple[str, ...] = (),
     **fields: Any,
 ) -> Finding:
     """A hang, with the job's nodes as evidence, and blamed on the node that never began the
@@ -565,6 +581,8 @@ def _hang_finding(
         summary += f"; {', '.join(lagging)} never began it"
     elif dark:
         summary += f"; {', '.join(dark)} went dark while its peers stood still"
+    elif exited:
+        summary += f"; the processes on {', '.join(exited)} exited while their peers waited"
     return Finding(
         kind=FindingKind.HANG,
         summary=summary,
@@ -574,6 +592,7 @@ def _hang_finding(
             "job_nodes": list(snap.job.nodes),
             "lagging_nodes": list(lagging),
             "dark_nodes": list(dark),
+            "exited_nodes": list(exited),
             "peers_steady_seconds": snap.metrics.peers_steady_s,
         },
         nodes=hung,
@@ -593,18 +612,18 @@ def hung_nodes(snap: Snapshot) -> tuple[str, ...]:
     return tuple(sorted(lagging))
 
 
-def dark_hung_nodes(snap: Snapshot, limit: float) -> tuple[str, ...]:
-    """The job's nodes gone dark while the nodes still answering began no new step for half
-    the hang limit: a frozen or dead host stalls every collective it is in, long before
-    SLURM's node timeout (minutes) says so. Peers that move on clear it (a dead exporter or
-    a cut-off scrape on a training node), and so does darkness on every node (Prometheus's
-    own trouble)."""
+def silent_hung_nodes(snap: Snapshot, silent: Sequence[str], limit: float) -> tuple[str, ...]:
+    """The job's `silent` nodes (dark or exited) while the nodes still answering began no new
+    step for half the hang limit: a frozen or dead host, or a crashed rank, stalls every
+    collective it is in, long before SLURM's node timeout (minutes) or the collective's own
+    timeout says so. Peers that move on clear it (a dead exporter or a cut-off scrape on a
+    training node), and so does silence on every node (Prometheus's own trouble)."""
     job = set(snap.job.nodes)
-    dark = set(snap.metrics.dark_nodes) & job
+    nodes = set(silent) & job
     steady = snap.metrics.peers_steady_s
-    if not dark or dark == job or steady is None or steady < limit / 2:
+    if not nodes or nodes == job or steady is None or steady < limit / 2:
         return ()
-    return tuple(sorted(dark))
+    return tuple(sorted(nodes))
 
 
 def detect_replica_mismatch(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:

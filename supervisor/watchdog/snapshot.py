@@ -102,10 +102,16 @@ class MetricsView:
     #: it is the node that never began the step its peers wait in.
     lagging_nodes: tuple[str, ...] = ()
     #: Nodes whose metrics endpoint has failed every scrape for DARK_AFTER_S or longer while
-    #: the attempt's other nodes answered: a frozen, dead or cut-off host.
+    #: the attempt's other nodes answered, and whose host answered nothing: a frozen, dead or
+    #: cut-off host.
     dark_nodes: tuple[str, ...] = ()
-    #: While a node is dark: seconds since the furthest step the answering nodes had begun
-    #: last changed (a dark node's peers wait in its collective; progress clears the node).
+    #: Such nodes whose host refused the connection: it is up, its training processes are
+    #: gone (a crashed rank takes its node's exporter with it when its local peers fail).
+    exited_nodes: tuple[str, ...] = ()
+    #: Nodes failing their scrapes for less than DARK_AFTER_S: not yet known dark or exited.
+    failing_nodes: tuple[str, ...] = ()
+    #: While a node is dark or exited: seconds since the furthest step the answering nodes
+    #: had begun last changed (they wait in its collective; progress clears the node).
     peers_steady_s: float | None = None
 
     @property

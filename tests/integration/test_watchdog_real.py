@@ -123,7 +123,8 @@ BAD_NODE_STEPS = 60
 @pytest.mark.timeout(420)
 def test_nan_on_a_bad_node_excludes_it_and_finishes_on_a_spare(stack: Stack) -> None:
     """n1 yields NaN gradients. The first remedy is a rollback (NaN may come from data); the
-    fault recurs on n1 at other data, so the watchdog excludes n1 and the run finishes on n2.
+    fault recurs on n1 at other data, so the watchdog excludes n1 and the run finishes on a
+    spare.
 
     A blocker job holds n2 and n3 until n1 is excluded, as a busy cluster would: otherwise
     SLURM may place the rollback's attempt on a healthy node and the rollback "cures" it.
@@ -153,7 +154,10 @@ def test_nan_on_a_bad_node_excludes_it_and_finishes_on_a_spare(stack: Stack) -> 
     events = stack.api("GET", f"/v1/runs/{run_id}/events?limit=1000")["items"]
     assert out["state"] == "succeeded", (out, events)
     run, incidents, losses = _records(stack, run_id)
-    assert [a["nodes"] for a in out["attempts"]] == [["n1"], ["n1"], ["n2"]], events
+    # The spare is whichever of n2, n3 SLURM frees first once the blocker is cancelled.
+    placed = [a["nodes"] for a in out["attempts"]]
+    assert placed[:2] == [["n1"], ["n1"]] and placed[2] in (["n2"], ["n3"]), (placed, events)
+    assert len(placed) == 3, (placed, events)
     final = losses[BAD_NODE_STEPS]
     assert final is not None and math.isfinite(final), losses  # no NaN weights carried over
     assert out["attempts"][-1]["state"] == "completed"

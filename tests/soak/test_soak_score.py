@@ -185,6 +185,31 @@ def test_straggler_counts_from_the_first_job_on_its_node_not_from_its_arming_ste
     assert straggler.right_action and straggler.recovered and s.false_positives == 0
 
 
+def test_a_fault_whose_cure_lands_on_the_next_fault_recovers_with_the_cure_after() -> None:
+    """The tenth session's short soak: the poison's rollback put the job on n1, whose armed
+    NaN fault threw away every update of that group at once. The poison recovers with the
+    first group after the exclusion that trains on, not never."""
+    p = run([(0, 0, 60, "1/1"), (56, 40, 45, "2/2"), (70, 40, 100, "3/3")])
+    for i, e in enumerate(p.steps):
+        if e.incarnation == "2/2":
+            p.steps[i] = StepEvent(e.t, e.step, e.loss, e.incarnation, skipped_update=True)
+    placed = {"1/1": ("n2", "n3"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")}
+    p.starts = [
+        StartEvent(s.t, s.step, s.incarnation, nodes=placed[s.incarnation]) for s in p.starts
+    ]
+    nan = Injection(ScheduledFault(FaultKind.NAN_NODE, 30, {"node": "n1"}), None)
+    s = score_system(
+        "nightwatch", injections=[POISON, nan], progress=p,
+        remedies=[Remedy(52.0, "rollback"), Remedy(60.0, "exclude_node", ("n1",))],
+        escalations=0, submit_t=0.0, end_t=200.0, target_steps=100, reference=REF,
+        reference_submit_t=0.0,
+    )  # fmt: skip
+    poison, sick = s.faults
+    assert sick.fault_t == 56 and sick.right_action and sick.recovered
+    assert poison.remedies == ["rollback"] and poison.right_action
+    assert poison.recovered and poison.mttr_s == 31  # group 3/3's first step, at t=71
+
+
 def test_final_loss_is_compared_over_a_tenth_of_the_run() -> None:
     """Per-step losses that differ by chance (different samples after a skip) but agree on
     average: 32 steps see the noise, a tenth of the run does not."""

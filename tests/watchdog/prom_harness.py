@@ -39,6 +39,7 @@ class Exporter:
     gauges: dict[str, Gauge] = field(default_factory=dict)
     counters: dict[str, Counter] = field(default_factory=dict)
     _server: object | None = None
+    _frozen: socket.socket | None = None
 
     def start(self) -> Exporter:
         server, _thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
@@ -47,10 +48,24 @@ class Exporter:
         return self
 
     def stop(self) -> None:
+        """Gone, as when the node's processes exited: a scrape is refused at once."""
         if self._server is not None:
             self._server.shutdown()  # type: ignore[attr-defined]
             self._server.server_close()  # type: ignore[attr-defined]
             self._server = None
+        if self._frozen is not None:
+            self._frozen.close()
+            self._frozen = None
+
+    def freeze(self) -> None:
+        """Silent, as a frozen host: the port stays open and the kernel takes connections,
+        but no answer ever comes, so a scrape fails only at its timeout."""
+        self.stop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        sock.listen(128)
+        self._frozen = sock
 
     def set(self, name: str, labels: tuple[str, str, str], value: float) -> None:
         if name not in self.gauges:

@@ -255,6 +255,30 @@ def test_hang_blames_a_node_gone_dark_while_its_peers_stood_still(rc: RecoverySp
     assert detect_hang(snap, rc)[0].nodes == ("n3",)
 
 
+def test_hang_waits_for_a_failing_node_and_blames_no_one_for_exited_processes(
+    rc: RecoverySpec,
+) -> None:
+    """A job's node failing its scrapes, not yet for DARK_AFTER_S, holds the verdict: judged
+    at once, a frozen host's hang would name nobody and be restarted, not excluded. A node
+    whose processes exited (its host refused the scrape) vouches for the stillness as a dark
+    one does, but is not blamed: a rank crashed there, and a restart cures it."""
+    samples = simulate(7, steps=200, faults=Faults(hang_at=150), step_seconds=10.0)
+    (plain,) = detect_hang(snapshot(samples), rc)
+    assert plain.nodes == ()
+    assert detect_hang(snapshot(samples, failing_nodes=("n2",)), rc) == []
+    assert detect_hang(snapshot(samples, failing_nodes=("n9",)), rc) != []  # not the job's
+    limit = plain.evidence["limit_seconds"]
+    stale = snapshot(samples, health=SourceHealth.STALE, exited_nodes=("n1",), peers_steady_s=limit)
+    (f,) = detect_hang(stale, rc)
+    assert f.nodes == () and f.cause is Cause.UNKNOWN and "processes on n1 exited" in f.summary
+    assert f.evidence["exited_nodes"] == ["n1"] and f.evidence["dark_nodes"] == []
+    # A dark host beside it is the one to blame.
+    both = dataclasses.replace(
+        stale, metrics=dataclasses.replace(stale.metrics, dark_nodes=("n2",))
+    )
+    assert detect_hang(both, rc)[0].nodes == ("n2",)
+
+
 def test_hang_needs_a_running_job(rc: RecoverySpec) -> None:
     samples = simulate(7, steps=300, faults=Faults(hang_at=50))
     now = samples[-1].t + 0.5
@@ -441,6 +465,25 @@ def test_spike_right_after_a_restart_is_judged_against_the_previous_attempt(
         (g,) = detect_loss_spike(snap, rc)
         assert g.last_healthy_step is not None and g.last_healthy_step <= 100
         assert g.fault_time == started, seed
+
+
+def test_spike_after_a_restart_is_judged_when_scrapes_are_sparse(rc: RecoverySpec) -> None:
+    """The short soak on a fast machine: 16 steps a scrape, so the loss window's 50 steps
+    before the resume point hold 3 of the previous attempt's samples, too few with the
+    attempt's own for any baseline while the attempt has made two scrapes. The prior then
+    lends its last BASELINE_MIN_POINTS samples, as a sparse window does within an attempt."""
+    for seed in range(10):
+        samples = simulate(
+            seed,
+            steps=300,
+            steps_per_sample=16,
+            faults=Faults(spike_steps=(120, 124), spike_factor=30.0),
+        )
+        prior, own = _split_at_restart(samples, resume=100, restart=140)
+        own = [s for s in own if (s.step or 0) <= 140]
+        (f,) = detect_loss_spike(snapshot(own, prior=prior), rc)
+        assert f.last_healthy_step is not None and f.first_bad_step is not None
+        assert f.last_healthy_step < 120 <= f.first_bad_step, seed
 
 
 def test_previous_attempt_only_lends_a_baseline(rc: RecoverySpec) -> None:

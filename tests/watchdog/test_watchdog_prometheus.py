@@ -14,6 +14,7 @@ from prom_harness import Exporter, PrometheusServer
 from supervisor.prometheus import (
     DARK_AFTER_S,
     QUERIED_FIELDS,
+    REFUSED_WITHIN_S,
     PrometheusSource,
     PrometheusUnavailable,
     SampleHistory,
@@ -307,14 +308,19 @@ def test_scrape_source_reads_endpoints_names_dark_nodes_and_fails_down(
     assert latest.loss is not None and latest.nonfinite_total == 0
     assert set(latest.step_time) == {"n1", "n2"}
     assert second.samples[0].step < latest.step  # type: ignore[operator]
-    # n2's endpoint fails: the primary's values still come, n2 is dark once it has failed
+    # n2's host freezes: the primary's values still come, n2 is dark once it has failed
     # every scrape for DARK_AFTER_S (the view's clock is passed in, not slept).
-    e2.stop()
+    e2.freeze()
     now = time.time()
     view = source.collect([R1], now)[R1]
     assert view.health is SourceHealth.UP and view.dark_nodes == ()
+    assert view.failing_nodes == ("n2",)
     later = source.collect([R1], now + DARK_AFTER_S)[R1]
     assert later.dark_nodes == ("n2",) and later.peers_steady_s is not None
+    # n2's processes exit instead: its host refuses the scrape, and n2 is exited, not dark.
+    e2.stop()
+    gone = source.collect([R1], now + DARK_AFTER_S + 1)[R1]
+    assert gone.exited_nodes == ("n2",) and gone.dark_nodes == ()
     e1.stop()
     down = source.collect([R1], time.time())[R1]
     assert down.health is SourceHealth.DOWN and down.dark_nodes == ()
@@ -450,20 +456,35 @@ def test_reconciler_with_prometheus_stopped_takes_no_remedy(
 def test_history_keeps_a_node_dark_until_it_answers_and_times_its_peers_stillness() -> None:
     history = SampleHistory(window_s=600, stale_after_s=30)
     history.add(R1, MetricSample(t=100.0, step=7, loss=3.0, last_step_ts=100.0))
-    history.set_dark({R1: ["n1"]}, {R1: 8}, now=100.0)
-    assert history.view(R1, 100.0 + DARK_AFTER_S / 2).dark_nodes == ()  # one failed scrape
-    history.set_dark({R1: ["n1"]}, {R1: 8}, now=103.0)
+    timed_out = {"n1": 1.0}  # the scrape failed at its timeout: the host answered nothing
+    history.set_dark({R1: timed_out}, {R1: 8}, now=100.0)
+    first = history.view(R1, 100.0 + DARK_AFTER_S / 2)  # one failed scrape
+    assert first.dark_nodes == () and first.failing_nodes == ("n1",)
+    history.set_dark({R1: timed_out}, {R1: 8}, now=103.0)
     view = history.view(R1, 100.0 + DARK_AFTER_S)
     assert view.dark_nodes == ("n1",) and view.peers_steady_s == DARK_AFTER_S
-    history.set_dark({R1: ["n1"]}, {R1: 9}, now=106.0)  # the peers began a step
+    assert view.failing_nodes == () and view.exited_nodes == ()
+    history.set_dark({R1: timed_out}, {R1: 9}, now=106.0)  # the peers began a step
     assert history.view(R1, 107.0).peers_steady_s == 1.0
     # Stale with the dark node: the view keeps saying which node and for how long.
     stale = history.view(R1, 140.0)
     assert stale.health is SourceHealth.STALE and stale.dark_nodes == ("n1",)
     history.set_dark({}, {}, now=141.0)  # it answered: dark again only after a fresh spell
     assert history.view(R1, 142.0).dark_nodes == ()
-    history.set_dark({R1: ["n1"]}, {R1: 9}, now=143.0)
+    history.set_dark({R1: timed_out}, {R1: 9}, now=143.0)
     assert history.view(R1, 144.0).dark_nodes == ()
+
+
+def test_history_tells_a_refused_endpoint_from_a_silent_host() -> None:
+    """A scrape refused within REFUSED_WITHIN_S: the host is up and its processes are gone
+    (exited), not dark; the node whose scrape timed out beside it is dark."""
+    history = SampleHistory(window_s=600, stale_after_s=30)
+    history.add(R1, MetricSample(t=100.0, step=7, loss=3.0, last_step_ts=100.0))
+    failing = {"n1": REFUSED_WITHIN_S / 10, "n2": 1.0}
+    history.set_dark({R1: failing}, {R1: 8}, now=100.0)
+    view = history.view(R1, 100.0 + DARK_AFTER_S)
+    assert view.exited_nodes == ("n1",) and view.dark_nodes == ("n2",)
+    assert view.peers_steady_s == DARK_AFTER_S
 
 
 @pytest.fixture
@@ -505,7 +526,7 @@ def test_prometheus_source_blames_a_host_gone_dark_while_its_peers_wait(
         labelled_prometheus.wait_for_series('nightwatch_train_step_entered{node="n2"}')
         time.sleep(1.5)
         assert source.collect([R1], time.time())[R1].health is SourceHealth.UP
-        e1.stop()
+        e1.freeze()
         assert _hang_after(source, rc, within_s=rc.hang_floor_seconds + DARK_AFTER_S + 3) == []
         trainer.hung_node = "n1"
         stopped = time.monotonic()
@@ -518,6 +539,30 @@ def test_prometheus_source_blames_a_host_gone_dark_while_its_peers_wait(
     remedy = decide(snap, [hang], RunHistory(), rc)
     assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == ("n1",)
     print(f"\nhang on a dark node found {found_s:.1f} s after its peers stood still")
+
+
+def test_prometheus_source_restarts_a_hang_whose_node_processes_exited(
+    labelled_prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
+) -> None:
+    """n1 exports the run's metrics, and its processes exit (a crashed rank whose local peer
+    failed after it): its host refuses the scrape. n2 waits in the collective for good. That
+    is a hang, found from a STALE view, but no node's fault: the remedy is a restart, and the
+    exclusion budget is kept for hosts that do go silent."""
+    rc = RecoverySpec(hang_floor_seconds=4.0)
+    source = PrometheusSource(labelled_prometheus.url, stale_after_s=2.0, window_s=120.0)
+    e1, _ = exporters
+    with FakeTrainer(*exporters) as trainer:
+        labelled_prometheus.wait_for_series('nightwatch_train_step_entered{node="n2"}')
+        time.sleep(1.5)
+        assert source.collect([R1], time.time())[R1].health is SourceHealth.UP
+        e1.stop()
+        trainer.hung_node = "n1"
+        (hang,) = _hang_after(source, rc, within_s=20)
+    assert hang.cause is Cause.UNKNOWN and hang.nodes == (), hang
+    assert hang.evidence["exited_nodes"] == ["n1"] and hang.evidence["dark_nodes"] == []
+    snap = _snapshot(R1, source.collect([R1], time.time())[R1], time.time())
+    assert snap.metrics.health is SourceHealth.STALE
+    assert decide(snap, [hang], RunHistory(), rc).kind is RemedyKind.RESTART
 
 
 def test_prometheus_source_names_the_node_that_never_began_the_step(

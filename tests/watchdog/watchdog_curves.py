@@ -156,6 +156,8 @@ def snapshot(
     nonfinite_grad_nodes: tuple[str, ...] = (),
     lagging_nodes: tuple[str, ...] = (),
     dark_nodes: tuple[str, ...] = (),
+    exited_nodes: tuple[str, ...] = (),
+    failing_nodes: tuple[str, ...] = (),
     peers_steady_s: float | None = None,
 ) -> Snapshot:
     last_t = samples[-1].t if samples else 1_000_000.0
@@ -170,6 +172,8 @@ def snapshot(
             nonfinite_grad_nodes=nonfinite_grad_nodes,
             lagging_nodes=lagging_nodes,
             dark_nodes=dark_nodes,
+            exited_nodes=exited_nodes,
+            failing_nodes=failing_nodes,
             peers_steady_s=peers_steady_s,
         ),
         job=JobView(
