@@ -13,6 +13,7 @@ embedded default when no SLURM cluster answers.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -27,11 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import psutil
 import submitit
 
 log = logging.getLogger("nightwatch.slurm")
 
 DEFAULT_TIMEOUT_S = 10.0
+#: How long a local cancel waits for the killed processes to be gone.
+CANCEL_WAIT_S = 5.0
 
 
 class SourceUnavailable(RuntimeError):
@@ -605,9 +609,29 @@ class LocalCluster:
         return JobStatus(job_id, state, (node,), exit_code=code, exit_signal=0)
 
     def cancel(self, job_id: str) -> None:
-        if job_id in self._jobs:
-            self._cancelled.add(job_id)
-            self._jobs[job_id][0].cancel()
+        """Kill the tasks and their controller, as scancel's SIGKILL would.
+
+        Not submitit's cancel: that is a SIGINT to the controller, and a supervisor started
+        with SIGINT ignored (any job a shell puts in the background) passes that on to its
+        children. The tasks then trained on beside the next attempt, and their checkpoint
+        saves collided (tenth session's CI)."""
+        entry = self._jobs.get(job_id)
+        if entry is None:
+            return
+        self._cancelled.add(job_id)
+        process = getattr(entry[0], "_process", None)
+        if process is None or process.poll() is not None:
+            return
+        try:
+            procs = psutil.Process(process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        process.kill()
+        psutil.wait_procs(procs, timeout=CANCEL_WAIT_S)
+        process.wait(timeout=CANCEL_WAIT_S)
 
     def requeue(self, job_id: str) -> None:
         raise Unsupported("the local executor cannot requeue; resubmit instead")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from supervisor import launcher
@@ -55,3 +58,33 @@ def test_configured_executor_wins_over_a_reachable_slurm_conf(
     assert isinstance(make_cluster(executor="local"), LocalCluster)
     assert isinstance(make_cluster(executor="slurm"), SlurmCluster)
     assert isinstance(make_cluster(executor="auto"), LocalCluster)  # no controller answers
+
+
+def test_cancel_stops_tasks_that_ignore_sigint(tmp_path, toy_spec, toy_plan):
+    """A supervisor started in the background by a shell has SIGINT ignored, and so has every
+    process it starts: submitit's own cancel (a SIGINT) then stopped nothing, and the tasks
+    trained on beside the next attempt (tenth session's CI). The cancel kills them."""
+    cluster = LocalCluster()
+    plan = toy_plan(tmp_path, toy_spec("bg", steps=100_000, nodes=1, per_node=2, interval=1000))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sub = launcher.submit(cluster, plan)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    wait_until(
+        "the ranks to start",
+        lambda: "starts at step 0" in job_logs(cluster, sub.job_id, plan.log_dir),
+        60,
+    )
+    controller = psutil.Process(cluster._jobs[sub.job_id][0]._process.pid)
+    tasks = controller.children(recursive=True)
+    try:
+        assert len(tasks) >= 2
+        cluster.cancel(sub.job_id)
+        alive = [t for t in tasks if t.is_running() and t.status() != psutil.STATUS_ZOMBIE]
+        assert alive == []
+        assert cluster.poll([sub.job_id])[sub.job_id].state is JobState.CANCELLED
+    finally:  # a failed cancel must not leave a 100,000-step job behind
+        for proc in [*tasks, controller]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
