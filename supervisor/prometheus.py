@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from supervisor.report import LossPoint, loss_from_matrix
-from supervisor.watchdog.snapshot import MetricSample, MetricsView, SourceHealth
+from supervisor.watchdog.snapshot import DARK_AFTER_S, MetricSample, MetricsView, SourceHealth
 
 log = logging.getLogger("nightwatch.prometheus")
 
@@ -77,9 +77,6 @@ DARK_QUERY = 'scrape_duration_seconds{run_id!=""} and up{run_id!=""} == 0'
 PEER_STEP_QUERY = (
     f"max by (run_id, attempt) ({STEP_ENTERED}) and on(run_id, attempt) ({DARK_QUERY})"
 )
-#: A node's endpoint must fail every scrape this long before it counts as dark: one
-#: timed-out scrape of a busy exporter is not a dead host.
-DARK_AFTER_S = 5.0
 #: A failed scrape quicker than this was refused: the host answered, but nothing listened
 #: (the node's training processes exited, as after a rank crash). A frozen or dead host
 #: answers nothing, and its scrape fails at the scrape timeout (1 s and more).

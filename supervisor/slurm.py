@@ -631,7 +631,8 @@ class LocalCluster:
                 proc.kill()
         process.kill()
         psutil.wait_procs(procs, timeout=CANCEL_WAIT_S)
-        process.wait(timeout=CANCEL_WAIT_S)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # then poll() says RUNNING still
+            process.wait(timeout=CANCEL_WAIT_S)
 
     def requeue(self, job_id: str) -> None:
         raise Unsupported("the local executor cannot requeue; resubmit instead")

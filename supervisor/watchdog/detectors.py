@@ -24,6 +24,7 @@ from typing import Any
 
 from supervisor.spec import RecoverySpec
 from supervisor.watchdog.snapshot import (
+    DARK_AFTER_S,
     METRIC_WINDOW_STEPS,
     Cause,
     Finding,
@@ -528,8 +529,9 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
 
     A silent node may be the one exporting the run's metrics, whose view then goes STALE:
     with the peers' stillness as evidence that is still a hang, not a blind spot. While a
-    node fails its scrapes but not yet for DARK_AFTER_S, the verdict waits for it: judged
-    earlier, a frozen host would be a hang that names nobody.
+    node fails its scrapes but not yet for DARK_AFTER_S, the verdict waits for it (at most that
+    long: a flapping endpoint that never settles must not hold it off): judged earlier, a
+    frozen host would be a hang that names nobody.
 
     Otherwise the stillness must be seen, not assumed: it counts up to the newest sample, not
     to now. After a blind spot (Prometheus restarted, its first scrapes not yet in) the newest
@@ -550,7 +552,8 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     idle = (snap.now if silent else latest.t) - latest.last_step_ts
     if idle <= limit or not (_metrics_ok(snap) or silent):
         return []
-    if not silent and set(snap.metrics.failing_nodes) & set(snap.job.nodes):
+    waiting = set(snap.metrics.failing_nodes) & set(snap.job.nodes)
+    if not silent and waiting and idle <= limit + DARK_AFTER_S:
         return []
     return [
         _hang_finding(

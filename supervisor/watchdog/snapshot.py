@@ -14,6 +14,10 @@ from typing import Any
 #: Steps covered by the worker's `*_window_max` / `*_window_min` gauges (docs/contracts.md).
 METRIC_WINDOW_STEPS = 16
 
+#: A node's endpoint must fail every scrape this long before it counts as dark: one
+#: timed-out scrape of a busy exporter is not a dead host.
+DARK_AFTER_S = 5.0
+
 
 class SourceHealth(enum.StrEnum):
     """How far an observation can be trusted. Only UP data may clear or convict a run."""

@@ -27,6 +27,7 @@ from supervisor.watchdog.detectors import (
 )
 from supervisor.watchdog.policy import rollback_target
 from supervisor.watchdog.snapshot import (
+    DARK_AFTER_S,
     Cause,
     CheckpointRef,
     FindingKind,
@@ -262,12 +263,17 @@ def test_hang_waits_for_a_failing_node_and_blames_no_one_for_exited_processes(
     at once, a frozen host's hang would name nobody and be restarted, not excluded. A node
     whose processes exited (its host refused the scrape) vouches for the stillness as a dark
     one does, but is not blamed: a rank crashed there, and a restart cures it."""
-    samples = simulate(7, steps=200, faults=Faults(hang_at=150), step_seconds=10.0)
+    samples = simulate(7, steps=400, faults=Faults(hang_at=150), steps_per_sample=1)
     (plain,) = detect_hang(snapshot(samples), rc)
     assert plain.nodes == ()
-    assert detect_hang(snapshot(samples, failing_nodes=("n2",)), rc) == []
-    assert detect_hang(snapshot(samples, failing_nodes=("n9",)), rc) != []  # not the job's
-    limit = plain.evidence["limit_seconds"]
+    limit, onset = plain.evidence["limit_seconds"], plain.fault_time
+    soon = upto(samples, onset + limit + DARK_AFTER_S / 2)
+    assert detect_hang(snapshot(soon), rc) != []
+    assert detect_hang(snapshot(soon, failing_nodes=("n2",)), rc) == []
+    assert detect_hang(snapshot(soon, failing_nodes=("n9",)), rc) != []  # not the job's
+    # A node whose failures never settle (a flapping endpoint) holds it off DARK_AFTER_S only.
+    late = upto(samples, onset + limit + DARK_AFTER_S + 1)
+    assert detect_hang(snapshot(late, failing_nodes=("n2",)), rc) != []
     stale = snapshot(samples, health=SourceHealth.STALE, exited_nodes=("n1",), peers_steady_s=limit)
     (f,) = detect_hang(stale, rc)
     assert f.nodes == () and f.cause is Cause.UNKNOWN and "processes on n1 exited" in f.summary
