@@ -161,16 +161,20 @@ def test_nan_node_fault_counts_from_when_the_job_first_ran_on_the_node() -> None
     assert not clean.faults[0].triggered
 
 
+def _place(p: Progress, placed: dict[str, tuple[str, ...]]) -> None:
+    """Give each process group of `p` the nodes it ran on."""
+    p.starts = [
+        StartEvent(s.t, s.step, s.incarnation, nodes=placed[s.incarnation]) for s in p.starts
+    ]
+
+
 def test_straggler_counts_from_the_first_job_on_its_node_not_from_its_arming_step() -> None:
     """The seed-7 soaks: a straggler armed at step 30 (before the poison, in schedule order)
     struck only when the poison's rollback put the job on n1 (t=120). Dated by its arming step,
     its exclusion fell into the poison's window and both faults were scored wrong; the group
     that recovers the poison is also the one the straggler slows."""
     p = run([(0, 0, 60, "1/1"), (120, 40, 70, "2/2"), (160, 60, 100, "3/3")])
-    placed = {"1/1": ("n2", "n3"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")}
-    p.starts = [
-        StartEvent(s.t, s.step, s.incarnation, nodes=placed[s.incarnation]) for s in p.starts
-    ]
+    _place(p, {"1/1": ("n2", "n3"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")})
     slow = Injection(ScheduledFault(FaultKind.STRAGGLER, 30, {"node": "n1"}), None)
     s = score_system(
         "nightwatch", injections=[slow, POISON], progress=p,
@@ -193,10 +197,7 @@ def test_a_fault_whose_cure_lands_on_the_next_fault_recovers_with_the_cure_after
     for i, e in enumerate(p.steps):
         if e.incarnation == "2/2":
             p.steps[i] = StepEvent(e.t, e.step, e.loss, e.incarnation, skipped_update=True)
-    placed = {"1/1": ("n2", "n3"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")}
-    p.starts = [
-        StartEvent(s.t, s.step, s.incarnation, nodes=placed[s.incarnation]) for s in p.starts
-    ]
+    _place(p, {"1/1": ("n2", "n3"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")})
     nan = Injection(ScheduledFault(FaultKind.NAN_NODE, 30, {"node": "n1"}), None)
     s = score_system(
         "nightwatch", injections=[POISON, nan], progress=p,
