@@ -513,6 +513,15 @@ def _hang_after(source: PrometheusSource, rc: RecoverySpec, within_s: float) -> 
     return []
 
 
+def _watching_up(server: PrometheusServer) -> PrometheusSource:
+    """A source over `server` once both nodes' series are in and the run reads UP."""
+    source = PrometheusSource(server.url, stale_after_s=2.0, window_s=120.0)
+    server.wait_for_series('nightwatch_train_step_entered{node="n2"}')
+    time.sleep(1.5)
+    assert source.collect([R1], time.time())[R1].health is SourceHealth.UP
+    return source
+
+
 def test_prometheus_source_blames_a_host_gone_dark_while_its_peers_wait(
     labelled_prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
 ) -> None:
@@ -520,12 +529,9 @@ def test_prometheus_source_blames_a_host_gone_dark_while_its_peers_wait(
     is a dead exporter, not a hang; once n2 stands still too it is a hang on n1, found from a
     STALE view, and the policy excludes n1 (SLURM would say so only after its node timeout)."""
     rc = RecoverySpec(hang_floor_seconds=6.0)
-    source = PrometheusSource(labelled_prometheus.url, stale_after_s=2.0, window_s=120.0)
     e1, _ = exporters
     with FakeTrainer(*exporters) as trainer:
-        labelled_prometheus.wait_for_series('nightwatch_train_step_entered{node="n2"}')
-        time.sleep(1.5)
-        assert source.collect([R1], time.time())[R1].health is SourceHealth.UP
+        source = _watching_up(labelled_prometheus)
         e1.freeze()
         assert _hang_after(source, rc, within_s=rc.hang_floor_seconds + DARK_AFTER_S + 3) == []
         trainer.hung_node = "n1"
@@ -549,12 +555,9 @@ def test_prometheus_source_restarts_a_hang_whose_node_processes_exited(
     is a hang, found from a STALE view, but no node's fault: the remedy is a restart, and the
     exclusion budget is kept for hosts that do go silent."""
     rc = RecoverySpec(hang_floor_seconds=4.0)
-    source = PrometheusSource(labelled_prometheus.url, stale_after_s=2.0, window_s=120.0)
     e1, _ = exporters
     with FakeTrainer(*exporters) as trainer:
-        labelled_prometheus.wait_for_series('nightwatch_train_step_entered{node="n2"}')
-        time.sleep(1.5)
-        assert source.collect([R1], time.time())[R1].health is SourceHealth.UP
+        source = _watching_up(labelled_prometheus)
         e1.stop()
         trainer.hung_node = "n1"
         (hang,) = _hang_after(source, rc, within_s=20)
