@@ -15,10 +15,20 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from megatron_runs import checkpointing as ck
 
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class SaveFailed(Exception):
+    """Rank 0 could not publish the save; raised on every rank alike, so all go on in step."""
+
+
+#: What a save may fail with while the process group stays sound: storage, not communication.
+#: A collective that failed (a peer died mid-save) is none of these and must end the rank.
+STORAGE_ERRORS: tuple[type[Exception], ...] = (OSError, CheckpointingException, SaveFailed)
 
 
 @dataclass(frozen=True)
@@ -142,13 +152,29 @@ def save(
     _barrier()
     dist_checkpointing.save(_state_dict(model, optimizer, is_loading=False), str(tmp))
     _barrier()
+    problem = None
     if rank == 0:
-        _fsync_tree(tmp)
-        ck.write_meta(tmp, step, consumed_samples, loss, layout)
-        ck.publish(root, step)
-        ck.retain(root, keep_last, protect, keep_seconds)
-    _barrier()
+        try:
+            _fsync_tree(tmp)
+            ck.write_meta(tmp, step, consumed_samples, loss, layout)
+            ck.publish(root, step)
+            ck.retain(root, keep_last, protect, keep_seconds)
+        except Exception as exc:  # local file work only: no collective was skipped
+            problem = repr(exc)
+    if not _all_ranks_ok(problem is None):
+        raise SaveFailed(f"step {step} not published: {problem or 'see rank 0'}")
     return ck.step_dir(root, step)
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    """The closing barrier, carrying whether this rank's part went well: every rank learns
+    the outcome at the same collective, so a failure on rank 0 alone leaves no rank waiting
+    in a barrier the others skipped."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _fsync_tree(path: Path) -> None:

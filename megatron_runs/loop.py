@@ -515,7 +515,14 @@ def _checkpoint(
     resumed_from: int | None,
 ) -> None:
     """Save and apply retention, which spares the checkpoint this attempt resumed from: the
-    watchdog may be rolling back to it while this attempt, going bad, saves on."""
+    watchdog may be rolling back to it while this attempt, going bad, saves on.
+
+    A storage failure is reported and training goes on (the next interval retries). A failed
+    collective is not caught: a peer died mid-save, and ranks that go on from wherever their
+    save broke off meet in different collectives and hang (tests/train/test_save_failures.py;
+    the likely cause of the tenth session's CI failure, where a rank killed at the step-30 save
+    read as a hang on its node). Raised, every rank exits and the job fails at once: a crash,
+    which the watchdog restarts."""
     t0 = time.perf_counter()
     protect = {resumed_from} if resumed_from else set()
     try:
@@ -523,7 +530,7 @@ def _checkpoint(
         path = dist_ckpt.save(
             model, optimizer, root, step, cursor, loss, layout, c.keep_last, protect, c.keep_seconds
         )
-    except Exception as exc:  # a failed save is reported; the run goes on (retry next interval)
+    except dist_ckpt.STORAGE_ERRORS as exc:
         if metrics is not None:
             metrics.on_checkpoint(step, time.perf_counter() - t0, ok=False)
         log("checkpoint_failed", all_ranks=True, step=step, error=repr(exc))

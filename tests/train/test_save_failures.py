@@ -1,0 +1,96 @@
+"""What a failed checkpoint save does to the ranks, on real gloo process groups.
+
+A storage failure is reported and training goes on, every rank in step. A peer that dies
+mid-save breaks the process group: the save must not swallow that, or the surviving ranks go
+on from different collectives and hang where they should have exited.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from train_helpers import spec_dict
+
+from supervisor.spec import RunSpec
+
+SPEC = RunSpec.model_validate(spec_dict("save-failures", tp=1, pp=1, dp=2))
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def __call__(self, event: str, all_ranks: bool = False, **fields: Any) -> None:
+        self.seen.append((event, fields))
+
+
+def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
+    """One rank of a 2-rank gloo job that saves at step 10 (megatron's writer stubbed). It
+    imports the training loop here, in the spawned process: megatron stays out of pytest's."""
+    from megatron_runs import loop
+
+    dist_ckpt, torch = loop.dist_ckpt, loop.torch
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2
+    )
+
+    def write(state: dict, path: str) -> None:
+        if dies and rank == 1:
+            os._exit(9)  # killed between the save's collectives
+        torch.distributed.barrier()
+
+    dist_ckpt.dist_checkpointing.save = write
+    dist_ckpt._state_dict = lambda *args, **kwargs: {}
+    log = _Events()
+    try:
+        loop._checkpoint(SPEC, [], None, Path(root), 10, 80, 5.0, {}, None, None, log, None)
+    except RuntimeError as exc:
+        answers.put((rank, "raised", str(exc)[:200]))
+        return
+    answers.put((rank, "returned", [event for event, _ in log.seen]))
+    torch.distributed.barrier()  # the group still works: both ranks went on in step
+    answers.put((rank, "in step", None))
+
+
+def _run_ranks(tmp_path: Path, dies: bool) -> list[tuple[int, str, Any]]:
+    ctx = multiprocessing.get_context("spawn")
+    answers = ctx.Queue()
+    root = tmp_path / "ckpt"
+    procs = [
+        ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(root), dies, answers))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+            pytest.fail("a rank hung after the save")
+    seen = []
+    while not answers.empty():
+        seen.append(answers.get())
+    return sorted(seen, key=lambda a: (a[0], a[1]))
+
+
+def test_a_peer_dying_mid_save_ends_the_survivor(tmp_path: Path) -> None:
+    seen = _run_ranks(tmp_path, dies=True)
+    assert [(rank, what) for rank, what, _ in seen] == [(0, "raised")]
+    assert "closed" in seen[0][2].lower() or "reset" in seen[0][2].lower()
+
+
+def test_an_unpublishable_save_is_reported_on_every_rank_and_both_go_on(tmp_path: Path) -> None:
+    # The stub writes nothing: rank 0 refuses to publish an empty checkpoint (verify fails).
+    seen = _run_ranks(tmp_path, dies=False)
+    assert [(rank, what) for rank, what, _ in seen] == [
+        (0, "in step"),
+        (0, "returned"),
+        (1, "in step"),
+        (1, "returned"),
+    ]
+    assert all(events == ["checkpoint_failed"] for _, what, events in seen if what == "returned")
+    assert not (tmp_path / "ckpt" / "latest").exists()
