@@ -4,7 +4,8 @@ Each fault is tied to its cause, so only the right remedy cures it:
 * poison_data: samples [start, end) turn into garbage (loss spike) or NaN loss each time they
   are read — it recurs until a rollback skips those global sample indices;
 * node: a sick node (by node name) yields NaN gradients, hangs, runs slow, or crashes on every
-  step from `after_step` on — it recurs on every attempt until the node is excluded;
+  step from `after_step` on — it recurs on every attempt until the node is excluded; with
+  `local_rank`, only that device of the node does (one bad GPU);
 * crash: one process crash at a step; a marker file beside the checkpoints records that it
   fired, so a restart (whatever its attempt number, under any supervisor) does not meet it again;
 * corrupt_checkpoint: the checkpoint published at that step is truncated, once (marker likewise).
@@ -33,13 +34,21 @@ class Faults:
     marker_dir: Path | None = None
 
     @classmethod
-    def for_process(cls, spec: RunSpec, node: str, rank: int, checkpoint_dir: Path) -> Faults:
+    def for_process(
+        cls, spec: RunSpec, node: str, rank: int, checkpoint_dir: Path, local_rank: int = 0
+    ) -> Faults:
         """Faults of this process; one-shot faults that already fired (marker present) drop out."""
         fs = spec.faults
         markers = Path(checkpoint_dir) / ".faults"
         return cls(
             poison=tuple(f for f in fs if isinstance(f, PoisonDataFault)),
-            node=tuple(f for f in fs if isinstance(f, NodeFault) and f.node == node),
+            node=tuple(
+                f
+                for f in fs
+                if isinstance(f, NodeFault)
+                and f.node == node
+                and f.local_rank in (None, local_rank)
+            ),
             crash=tuple(
                 f
                 for f in fs

@@ -49,6 +49,10 @@ from megatron_runs.schedule import flops_per_token, lr_at, peak_flops  # noqa: E
 from megatron_runs.train import TrainContext, TrainResult, nightwatch_home  # noqa: E402
 from supervisor.spec import RunSpec  # noqa: E402
 
+#: The step's all-reduced stats: loss sum, microbatch count, stop signal; then one slot per
+#: node of the job, set where a device of that node made non-finite gradients.
+STATS_FIXED = 3
+
 
 def _replica_check_every() -> int:
     """Steps between replica checksums (NIGHTWATCH_REPLICA_CHECK_EVERY; 0 turns them off)."""
@@ -289,16 +293,16 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     stream = TokenStream(_data_prefix(spec), spec.model.seq_length)
     model, config = _build_model(spec, bf16)
     optimizer = _build_optimizer(spec, model, bf16)
-    faults = Faults.for_process(spec, ctx.node, rank, ctx.checkpoint_dir)
+    faults = Faults.for_process(spec, ctx.node, rank, ctx.checkpoint_dir, local_rank)
     current = [0]  # the step being computed, for the NaN-grad hook
-    # This node's exporter (local rank 0) reports whether its own gradients were finite
-    # before reduction: after the reduction every rank holds the NaN, and only this tells
-    # which node made it. Not with overlapped grad reduction (GPU, DP > 1): the buckets are
-    # already being reduced in place when the backward pass ends.
+    # Every rank checks whether its own gradients were finite before reduction (after it,
+    # every rank holds the NaN, and only this tells where it was made); the step's all-reduce
+    # carries one flag per node, so a node's exporter counts a NaN made by any of its devices.
+    # Not with overlapped grad reduction (GPU, DP > 1): the buckets are already being reduced
+    # in place when the backward pass ends.
     overlapped = getattr(getattr(model[0], "ddp_config", None), "overlap_grad_reduce", False)
-    exports_node = ctx.metrics_port is not None and local_rank == 0 and not overlapped
     local_grads: list[torch.Tensor | None] = [None]
-    _hook_finalize(config, model, faults, current, local_grads if exports_node else None)
+    _hook_finalize(config, model, faults, current, None if overlapped else local_grads)
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
 
@@ -339,6 +343,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     exit_code = exitcodes.OK
     target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
     nodes = _job_nodes(ctx.node)
+    node_flag = STATS_FIXED + nodes.index(ctx.node)
     log("train_start", step=step, cursor=cursor, target=target, layout=layout, cpu=CPU, nodes=nodes)
 
     while step < target:
@@ -375,16 +380,16 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         if delay:
             time.sleep(delay)
             busy += delay
-        # Loss sum, microbatch count, stop signal: one all-reduce and one host sync per step.
-        stats = torch.tensor(
-            [0.0, float(len(out)) if last_stage_reporter else 0.0, float(stop.signum)],
-            dtype=torch.float64,
-            device=device,
-        )
+        # Loss sum, microbatch count, stop signal and the nodes that made non-finite grads:
+        # one all-reduce and one host sync per step.
+        stats = torch.zeros(STATS_FIXED + len(nodes), dtype=torch.float64, device=device)
+        stats[1], stats[2] = float(len(out)) if last_stage_reporter else 0.0, float(stop.signum)
         if last_stage_reporter and out:
             stats[0] = torch.stack([d["lm loss"] for d in out]).double().sum()
+        if local_grads[0] is not None:
+            stats[node_flag] = (~local_grads[0]).double()
         torch.distributed.all_reduce(stats)
-        loss_sum, count, signum = stats.tolist()
+        loss_sum, count, signum, *made_nan = stats.tolist()
         loss = loss_sum / count if count > 0 else math.nan
         stop_requested = signum > 0
         norm = float(grad_norm) if ok and grad_norm is not None else math.nan
@@ -405,7 +410,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
                     step_time=wall,
                     node_step_time=busy,
                     mfu=flops_step / (wall * peak) if peak else 0.0,
-                    local_grads_finite=local_grads[0] is None or bool(local_grads[0]),
+                    local_grads_finite=made_nan[node_flag - STATS_FIXED] == 0,
                 )
             )
         if step % t.log_interval == 0 or not ok:
@@ -416,6 +421,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
                 grad_norm=norm,
                 lr=lr,
                 skipped_update=not ok,
+                nonfinite_nodes=[n for n, bad in zip(nodes, made_nan, strict=True) if bad],
                 step_time=round(wall, 4),
                 consumed=cursor,
             )

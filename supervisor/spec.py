@@ -212,6 +212,10 @@ class NodeFault(_Strict):
     effect: Literal["nan_grads", "hang", "slow", "crash"]
     after_step: NonNegativeInt = 0
     slow_factor: float = Field(default=3.0, gt=1)
+    local_rank: NonNegativeInt | None = Field(
+        default=None,
+        description="Only this device of the node (one bad GPU); every device when unset.",
+    )
 
 
 class CrashFault(_Strict):

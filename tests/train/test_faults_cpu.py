@@ -66,3 +66,19 @@ def test_node_hang_stops_step_progress(run_train, tmp_path) -> None:
         assert any(e["event"] == "injected_hang" for e in run.events())
     finally:
         run.kill()
+
+
+def test_a_nan_made_by_one_device_is_its_nodes(run_train, tmp_path) -> None:
+    """One bad device (local rank 1 of two, DP 2): its NaN reaches every rank through the
+    gradient reduction, and the step still names the node it was made on (only local rank 0
+    checked its own gradients before, so a bad device on any other rank went unnamed)."""
+    faults = [{"kind": "node", "node": "n-sick", "effect": "nan_grads", "after_step": 2,
+               "local_rank": 1}]  # fmt: skip
+    spec = spec_dict("faults-dev", tp=1, pp=1, dp=2, steps=3, interval=100, faults=faults)
+    spec["model"]["num_layers"] = 2
+    run = run_train(spec, tmp_path / "ck", env={"SLURMD_NODENAME": "n-sick"})
+    assert run.wait(240) == [exitcodes.OK, exitcodes.OK]
+    steps = {e["step"]: e for e in run.events() if e["event"] == "step"}
+    assert steps[1]["nonfinite_nodes"] == [] and not steps[1]["skipped_update"]
+    for s in (2, 3):
+        assert steps[s]["skipped_update"] and steps[s]["nonfinite_nodes"] == ["n-sick"]

@@ -74,3 +74,15 @@ def test_corrupt_truncates_the_largest_file_of_that_step(tmp_path: Path) -> None
     assert f.corrupt_after_publish(6, ckpt) == ckpt / "big.distcp"
     assert (ckpt / "big.distcp").stat().st_size == 500
     assert (ckpt / "small.pt").stat().st_size == 10
+
+
+def test_a_device_fault_strikes_only_its_local_rank(tmp_path: Path) -> None:
+    spec = RunSpec.model_validate(
+        spec_dict(
+            "f",
+            faults=[{"kind": "node", "node": "n2", "effect": "nan_grads", "local_rank": 1}],
+        )
+    )
+    devices = [Faults.for_process(spec, "n2", 4 + i, tmp_path, local_rank=i) for i in range(3)]
+    assert [f.nan_grads(1) for f in devices] == [False, True, False]
+    assert not Faults.for_process(spec, "n1", 1, tmp_path, local_rank=1).nan_grads(1)
