@@ -382,8 +382,12 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
             busy += delay
         # Loss sum, microbatch count, stop signal and the nodes that made non-finite grads:
         # one all-reduce and one host sync per step.
-        stats = torch.zeros(STATS_FIXED + len(nodes), dtype=torch.float64, device=device)
-        stats[1], stats[2] = float(len(out)) if last_stage_reporter else 0.0, float(stop.signum)
+        reported = float(len(out)) if last_stage_reporter else 0.0
+        stats = torch.tensor(
+            [0.0, reported, float(stop.signum)] + [0.0] * len(nodes),
+            dtype=torch.float64,
+            device=device,
+        )
         if last_stage_reporter and out:
             stats[0] = torch.stack([d["lm loss"] for d in out]).double().sum()
         if local_grads[0] is not None:

@@ -15,9 +15,11 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from worker.env import TaskInfo, dist_env, node_name, task_info
 from worker.registration import Registrar
@@ -59,7 +61,7 @@ class TrainingTask:
     entry: str = "megatron_runs.train"
     env: tuple[tuple[str, str], ...] = ()
 
-    def __call__(self) -> int:
+    def __call__(self) -> NoReturn:
         early = _EarlyStop()
         early.install()
         # The launcher's environment (docs/contracts.md), set before torch is imported.
@@ -69,11 +71,12 @@ class TrainingTask:
         try:
             code = self._run(info, early)
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-            raise
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:
+            traceback.print_exc()  # the crash blame reads it from the task's log
         finally:
             _record_exit(info, code)
-        return code
+        _leave(code)
 
     def _run(self, info: TaskInfo, early: _EarlyStop) -> int:
         os.environ.update(dist_env(info))
@@ -109,7 +112,7 @@ class TrainingTask:
         )
         if early.signum is not None:
             log.warning("stop signal %d before training started", early.signum, extra=context)
-            sys.exit(EXIT_REQUEUE)
+            return EXIT_REQUEUE
         try:
             result = module.train(spec, ctx)
         finally:
@@ -120,11 +123,19 @@ class TrainingTask:
             signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         code = int(getattr(result, "exit_code", 0) or 0)
         log.info("task end exit_code=%d", code, extra=context)
-        if code:
-            # SystemExit passes submitit's `except Exception`, so the task exits with this code
-            # and sacct shows it (e.g. FAILED 75:0 for a checkpointed preemption).
-            sys.exit(code)
         return code
+
+
+def _leave(code: int) -> NoReturn:
+    """Exit with the task's code (sacct shows it: FAILED 75:0 for a checkpointed preemption)
+    and without the interpreter's teardown, as `python -m megatron_runs.train` does: a
+    process group with a dead peer can hang it, and a task that does not exit keeps its job
+    RUNNING, so a rank's crash looked like a hang of the whole job. submitit's result pickle
+    is not written; nothing reads it (the supervisor reads SLURM and the exit-code files)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _record_exit(info: TaskInfo, code: int) -> None:

@@ -26,6 +26,7 @@ while the other idled.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -52,6 +53,8 @@ WATCH_INTERVAL_S = 0.5
 STOP_TIMEOUT_S = 15.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 WORKER_APP = "supervisor.api.workers_mode:create_worker_app"
+#: linux/prctl.h: the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("nightwatch.api")
 
@@ -73,7 +76,9 @@ def serve(host: str, port: int, workers: int, app: str = WORKER_APP) -> None:
     previous = {sig: signal.signal(sig, lambda n, _: signals.append(n)) for sig in STOP_SIGNALS}
 
     def start() -> multiprocessing.process.BaseProcess:
-        process = context.Process(target=_serve_worker, args=(host, port, app), daemon=False)
+        process = context.Process(
+            target=_serve_worker, args=(host, port, app, os.getpid()), daemon=False
+        )
         process.start()
         return process
 
@@ -115,9 +120,11 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def _serve_worker(host: str, port: int, app: str) -> None:
+def _serve_worker(host: str, port: int, app: str, parent: int) -> None:
     """One worker process: its own listening socket in the port's SO_REUSEPORT group."""
     import uvicorn
+
+    _die_with(parent)
 
     sock = socket.socket(_family(host))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -144,6 +151,19 @@ def _serve_worker(host: str, port: int, app: str) -> None:
         sys.exit(STARTUP_FAILURE)  # the app or its settings: a replacement would fail too
     if not server.started:
         sys.exit(STARTUP_FAILURE)
+
+
+def _die_with(parent: int) -> None:
+    """SIGTERM this worker when the serve process dies, however it dies. A SIGKILLed parent
+    (the OOM killer, `kill -9`) otherwise left its workers holding the port: the restarted
+    server could not listen, and the orphans answered with no reconciler behind them."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        log.warning(f"prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}")
+    if os.getppid() != parent:  # it died before the signal was armed
+        sys.exit(0)
 
 
 def fresh_metrics_dir(home: Path, port: int) -> Path:

@@ -94,8 +94,7 @@ def test_two_api_processes_make_one_supervisor(
     server: tuple[str, str, psutil.Process],
 ) -> None:
     url, token, parent = server
-    spawned = [p for p in parent.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
-    assert len(spawned) >= 2, parent.children(recursive=True)  # uvicorn's two workers
+    assert len(_workers(parent)) >= 2, parent.children(recursive=True)  # uvicorn's two workers
 
     before = _healthz_count(url)
     for _ in range(HEALTH_CHECKS):  # a new connection each: the kernel spreads them
@@ -112,13 +111,31 @@ def test_two_api_processes_make_one_supervisor(
     assert runs["pending"] == 1 and sum(runs.values()) == 1, runs
 
 
+def _workers(parent: psutil.Process) -> list[psutil.Process]:
+    return [p for p in parent.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_a_killed_serve_takes_its_workers_along(
+    server: tuple[str, str, psutil.Process],
+) -> None:
+    """SIGKILL gives the parent no chance to stop its workers: they must go by themselves and
+    free the port, or the restarted server cannot listen."""
+    url, _, parent = server
+    workers = _workers(parent)
+    assert len(workers) >= 2
+    parent.kill()
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    port = int(url.rsplit(":", 1)[1])
+    workers_mode._check_free("127.0.0.1", port)  # raises OSError while anything holds it
+
+
 def _sockets_per_worker(parent: psutil.Process, port: int, status: str) -> dict[int, int]:
     """Sockets on the API port in `status` (LISTEN, ESTABLISHED) held by each worker process."""
-    workers = [p for p in parent.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
     wanted = (port, status)
     return {
         w.pid: sum(1 for c in w.net_connections("tcp") if (c.laddr.port, c.status) == wanted)
-        for w in workers
+        for w in _workers(parent)
     }
 
 

@@ -95,7 +95,13 @@ def _toy_spec(
     )
 
 
-def _toy_plan(tmp_path: Path, spec: RunSpec, attempt: int = 1, **kw: object) -> SubmitPlan:
+def _toy_plan(
+    tmp_path: Path,
+    spec: RunSpec,
+    attempt: int = 1,
+    toy_env: dict[str, str] | None = None,
+    **kw: object,
+) -> SubmitPlan:
     return SubmitPlan(
         run_id=spec.name,
         attempt=attempt,
@@ -103,7 +109,7 @@ def _toy_plan(tmp_path: Path, spec: RunSpec, attempt: int = 1, **kw: object) -> 
         checkpoint_dir=tmp_path / "ckpt",
         log_dir=tmp_path / "logs",
         entry="tests.launcher.toy_train",
-        env={"PYTHONPATH": str(REPO), "TOY_STEP_SECONDS": "0.2"},
+        env={"PYTHONPATH": str(REPO), "TOY_STEP_SECONDS": "0.2", **(toy_env or {})},
         **kw,
     )
 

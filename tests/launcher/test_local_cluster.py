@@ -50,6 +50,25 @@ def test_local_run_trains_and_stops_on_signal(tmp_path, toy_spec, toy_plan):
     assert launcher.attempt_state(done) == "preempted"
 
 
+def test_a_crashed_rank_ends_its_job_though_teardown_would_hang(tmp_path, toy_spec, toy_plan):
+    """Rank 1 dies at step 3; rank 0's all-reduce fails and raises, with a thread alive that
+    the interpreter's teardown would wait for forever. The task must leave anyway: a survivor
+    that does not exit keeps the job RUNNING, and a crash looked like a hang (eleventh
+    session)."""
+    cluster = LocalCluster()
+    spec = toy_spec("crash", steps=1000, nodes=1, per_node=2, interval=1000)
+    plan = toy_plan(tmp_path, spec, toy_env={"TOY_CRASH_AT": "1:3", "TOY_LINGER": "1"})
+    sub = launcher.submit(cluster, plan)
+    try:
+        done = wait_for(cluster, sub.job_id, lambda s: s.state.terminal, timeout_s=90)
+    finally:
+        cluster.cancel(sub.job_id)  # a failed test must not leave the lingering survivor
+    logs = job_logs(cluster, sub.job_id, plan.log_dir)
+    assert "toy: rank 1 crashes at step 3" in logs, logs
+    assert "Traceback" in logs and "RuntimeError" in logs, logs  # rank 0's, for the blame
+    assert done.state is JobState.FAILED, done
+
+
 def test_configured_executor_wins_over_a_reachable_slurm_conf(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,11 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 STEP_SECONDS = float(os.environ.get("TOY_STEP_SECONDS", "0.3"))
+#: "RANK:STEP": that rank dies at that step (os._exit, like a SIGKILL: no cleanup).
+CRASH_AT = os.environ.get("TOY_CRASH_AT")
+#: "1": every rank keeps a thread the interpreter's teardown would wait for forever, as a
+#: process group with a dead peer or a writer thread can make it do.
+LINGER = os.environ.get("TOY_LINGER") == "1"
 
 
 @dataclass
@@ -101,8 +107,14 @@ def train(spec, ctx: TrainContext) -> TrainResult:
     interval = spec.checkpoint.interval_steps
     step, code = start, 0
     print(f"toy: rank {rank}/{world} on {ctx.node} starts at step {start}", flush=True)
+    if LINGER:
+        threading.Thread(target=threading.Event().wait, name="linger").start()
+    crash = tuple(int(x) for x in CRASH_AT.split(":")) if CRASH_AT else None
     while step < target:
         time.sleep(STEP_SECONDS)
+        if crash == (rank, step + 1):
+            print(f"toy: rank {rank} crashes at step {step + 1}", flush=True)
+            os._exit(9)
         t = torch.tensor([1.0, stop["flag"]])
         dist.all_reduce(t)
         if t[0].item() != world:
