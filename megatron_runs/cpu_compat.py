@@ -100,6 +100,14 @@ def apply() -> bool:
     return True
 
 
+def collective_device() -> Any:
+    """Where this process's collectives take their tensors: its GPU, or the CPU (gloo) once
+    `apply` found none (`torch.cuda.current_device` then answers "cpu", no index)."""
+    import torch
+
+    return torch.device("cpu") if _applied else torch.device("cuda", torch.cuda.current_device())
+
+
 def _leave_uncompiled(fn: Any = None, **_options: Any) -> Any:
     """`torch.compile` stand-in: the function itself, with or without decorator arguments."""
     return fn if fn is not None else _leave_uncompiled

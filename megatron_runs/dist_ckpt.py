@@ -18,6 +18,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from megatron_runs import checkpointing as ck
+from megatron_runs.cpu_compat import collective_device
 
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -170,9 +171,7 @@ def _all_ranks_ok(ok: bool) -> bool:
     """The closing barrier, carrying whether this rank's part went well: every rank learns
     the outcome at the same collective, so a failure on rank 0 alone leaves no rank waiting
     in a barrier the others skipped."""
-    nccl = torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=collective_device())
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag.item())
 

@@ -257,8 +257,7 @@ def _prepare_grads_found_inf(opt: FP32Optimizer, prepare: Callable[[], bool]) ->
     """FP32Optimizer.prepare_grads (main_grad → grad), then: does any grad hold NaN/Inf?"""
     found = prepare()
     grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    device = torch.device("cpu") if CPU else torch.device("cuda", torch.cuda.current_device())
-    flag = torch.zeros(1, dtype=torch.float32, device=device)
+    flag = torch.zeros(1, dtype=torch.float32, device=cpu_compat.collective_device())
     if grads:
         finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
         flag.fill_(0.0 if bool(finite) else 1.0)
@@ -343,7 +342,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     exit_code = exitcodes.OK
     target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
     nodes = _job_nodes(ctx.node)
-    node_flag = STATS_FIXED + nodes.index(ctx.node)
+    node_index = nodes.index(ctx.node)
     log("train_start", step=step, cursor=cursor, target=target, layout=layout, cpu=CPU, nodes=nodes)
 
     while step < target:
@@ -391,7 +390,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         if last_stage_reporter and out:
             stats[0] = torch.stack([d["lm loss"] for d in out]).double().sum()
         if local_grads[0] is not None:
-            stats[node_flag] = (~local_grads[0]).double()
+            stats[STATS_FIXED + node_index] = (~local_grads[0]).double()
         torch.distributed.all_reduce(stats)
         loss_sum, count, signum, *made_nan = stats.tolist()
         loss = loss_sum / count if count > 0 else math.nan
@@ -414,7 +413,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
                     step_time=wall,
                     node_step_time=busy,
                     mfu=flops_step / (wall * peak) if peak else 0.0,
-                    local_grads_finite=made_nan[node_flag - STATS_FIXED] == 0,
+                    local_grads_finite=made_nan[node_index] == 0,
                 )
             )
         if step % t.log_interval == 0 or not ok:
