@@ -6,8 +6,12 @@ Timestamps are unix seconds (floats). The PNG plot lives in `supervisor.report_p
 the API never imports matplotlib.
 
 Definitions (the same as the Fleet dashboard's):
-- downtime: time between an attempt's end and the next attempt's start (queue wait, restart),
-  plus, for an active run whose newest attempt has not started, the time up to `now`;
+- downtime: the time the run stood still between attempts, from the last step an attempt
+  advanced to (as its metrics first showed it) to the next attempt's first step: the stall
+  before detection, the cancel, queue wait, start-up and checkpoint load. For an active run
+  whose newest attempt has not trained yet, up to `now`. Attempts without metrics points
+  (history unavailable) fall back to their end and start times, which leave out the stall
+  before detection and the start-up;
 - steps lost: per incident as the watchdog recorded it; where none recorded it, the steps
   replayed after each restart (highest step an attempt reached minus the next one's resume step);
 - ETTR (effective training-time ratio): productive time / wall, where productive time is only
@@ -214,19 +218,44 @@ def replayed_steps(attempts: Sequence[Row], loss: Sequence[LossPoint]) -> list[t
     return spans
 
 
-def downtime_seconds(attempts: Sequence[Row], *, active: bool, now: float) -> float:
-    """Gaps between one attempt's end and the next one's start (see module docstring)."""
-    ordered = sorted(attempts, key=lambda a: int(a["number"]))
-    total = 0.0
-    for prev, nxt in itertools.pairwise(ordered):
-        end = _ts(prev.get("ended_at"))
-        start = _ts(nxt.get("started_at"))
-        if end is None:
+def progress_times(loss: Iterable[LossPoint]) -> dict[int, tuple[float, float]]:
+    """Per attempt: when its metrics first showed a step, and when they first showed its
+    highest step (where it last advanced: a hung attempt's later scrapes repeat that step)."""
+    seen: dict[int, tuple[float, float, int]] = {}
+    for p in sorted(loss, key=lambda p: p.t or 0.0):
+        if p.attempt is None or p.t is None or p.source != "metrics":
             continue
-        if start is None:
-            start = now if active and nxt is ordered[-1] else None
-        if start is not None:
-            total += max(0.0, start - end)
+        first, advanced, top = seen.get(p.attempt, (p.t, p.t, p.step))
+        if p.step > top:
+            advanced, top = p.t, p.step
+        seen[p.attempt] = (first, advanced, top)
+    return {n: (first, advanced) for n, (first, advanced, _) in seen.items()}
+
+
+def downtime_seconds(
+    attempts: Sequence[Row], loss: Sequence[LossPoint], *, active: bool, now: float
+) -> float:
+    """The time the run stood still between attempts (see module docstring).
+
+    An attempt the metrics never saw train (it hung at start-up, or failed to start) is part
+    of the gap around it, not progress; without any metrics points at all, the attempts'
+    start and end times are the only evidence."""
+    progress = progress_times(loss)
+    total = 0.0
+    stopped: float | None = None
+    for a in sorted(attempts, key=lambda a: int(a["number"])):
+        n = int(a["number"])
+        first, advanced = progress.get(n, (None, None))
+        if not progress:
+            first = _ts(a.get("started_at"))
+        if stopped is not None and first is not None:
+            total += max(0.0, first - stopped)
+            stopped = None
+        ended = _ts(a.get("ended_at"))
+        if ended is not None and (stopped is None or first is not None):
+            stopped = ended if advanced is None else min(advanced, ended)
+    if active and stopped is not None:
+        total += max(0.0, now - stopped)
     return total
 
 
@@ -359,8 +388,8 @@ def build_report(data: ReportData) -> Report:
     started_t = min(starts) if starts else None
     ended_t = None if active or not ends else max(ends)
     wall = max(0.0, (ended_t or data.now) - started_t) if started_t is not None else 0.0
-    downtime = downtime_seconds(attempts, active=active, now=data.now)
 
+    downtime = downtime_seconds(attempts, loss, active=active, now=data.now)
     replays = replayed_steps(attempts, loss)
     recorded = [i.steps_lost for i in lines if i.steps_lost is not None]
     steps_lost = sum(recorded) if recorded else sum(hi - lo for lo, hi in replays)

@@ -27,10 +27,14 @@ def scenario(*, steps_lost_recorded: bool = True, finished: bool = True) -> Repo
     a1_end = 43 * STEP_S + 5
     a2_start = a1_end + RESTART_GAP_S
     loss = [
-        LossPoint(s, healthy_loss(s) * (6 if s >= 41 else 1), 1, s * STEP_S) for s in range(1, 44)
+        LossPoint(s, healthy_loss(s) * (6 if s >= 41 else 1), 1, at(s * STEP_S).timestamp())
+        for s in range(1, 44)
     ]
     # attempt 2: resumes at 30 with samples [320, 352) skipped, healthy to 60
-    loss += [LossPoint(s, healthy_loss(s), 2, a2_start + (s - 30) * STEP_S) for s in range(31, 61)]
+    loss += [
+        LossPoint(s, healthy_loss(s), 2, at(a2_start + (s - 30) * STEP_S).timestamp())
+        for s in range(31, 61)
+    ]
     a2_end = a2_start + 30 * STEP_S + 3
     attempts: list[dict[str, Any]] = [
         {"number": 1, "job_id": "101", "state": "cancelled", "started_at": T0,

@@ -27,7 +27,8 @@ def test_numbers_of_a_rolled_back_run() -> None:
     wall = a1_end + RESTART_GAP_S + 30 * STEP_S + 3
     assert r.state == "succeeded" and r.attempts == 2
     assert r.wall_s == pytest.approx(wall)
-    assert r.downtime_s == pytest.approx(RESTART_GAP_S)
+    # from step 43 (the last advance) to attempt 2's first step, 31
+    assert r.downtime_s == pytest.approx(a1_end - 43 * STEP_S + RESTART_GAP_S + STEP_S)
     assert r.steps_lost == 13
     assert r.mean_step_s == pytest.approx(STEP_S)
     # Productive: steps 1..60 once each (31..43 replayed after the rollback are not).
@@ -65,11 +66,37 @@ def test_skip_windows_cover_every_step_touching_the_range(
 def test_an_active_run_counts_downtime_up_to_now() -> None:
     data = scenario(finished=False)
     attempts = [dict(data.attempts[0]), {**data.attempts[1], "started_at": None}]
-    r = build_report(type(data)(**{**data.__dict__, "attempts": attempts}))
-    a1_end = at(43 * STEP_S + 5).timestamp()
+    loss = [p for p in data.loss if p.attempt == 1]
+    r = build_report(dataclasses.replace(data, attempts=attempts, loss=loss))
     assert r.ended_t is None
-    assert r.downtime_s == pytest.approx(data.now - a1_end)
+    assert r.downtime_s == pytest.approx(data.now - at(43 * STEP_S).timestamp())
     assert r.wall_s == pytest.approx(data.now - T0.timestamp())
+
+
+def test_downtime_runs_from_the_last_advance_through_an_attempt_that_never_trained() -> None:
+    """The tenth session's soak: the report said 18 s of downtime where restarts alone took
+    ≈ 115 s, because it counted only SLURM's gaps between attempts. A hang's stall before
+    detection, an attempt that hung at start-up and the next one's start-up are downtime."""
+    data = scenario()
+    a1, a2 = data.attempts
+    stall_s, dud_s = 30.0, 50.0
+    a1_last = 43 * STEP_S
+    dud = {**a2, "number": 2, "state": "cancelled", "started_at": at(a1_last + stall_s + 10),
+           "ended_at": at(a1_last + stall_s + 10 + dud_s)}  # fmt: skip
+    a3_start = a1_last + stall_s + 10 + dud_s + 8
+    a3 = {**a2, "number": 3, "started_at": at(a3_start), "ended_at": at(a3_start + 100)}
+    hung = [LossPoint(43, 9.9, 1, at(a1_last + k).timestamp()) for k in range(1, int(stall_s))]
+    loss = [p for p in data.loss if p.attempt == 1] + hung
+    loss += [LossPoint(31, 2.0, 3, at(a3_start + 7).timestamp())]
+    a1 = {**a1, "ended_at": at(a1_last + stall_s)}
+    r = build_report(dataclasses.replace(data, attempts=[a1, dud, a3], loss=loss))
+    assert r.downtime_s == pytest.approx(a3_start + 7 - a1_last)
+
+
+def test_without_metrics_downtime_falls_back_to_the_attempts_times() -> None:
+    data = scenario()
+    r = build_report(dataclasses.replace(data, loss=[]))
+    assert r.downtime_s == pytest.approx(RESTART_GAP_S)
 
 
 def test_timeline_is_ordered_and_tells_the_story() -> None:
