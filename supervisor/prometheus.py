@@ -529,8 +529,9 @@ def loss_history(
 ) -> list[LossPoint]:
     """The run's loss curve since `since` (unix s), for the report (docs/contracts.md, Report).
 
-    Raw scraped samples of `nightwatch_train_step` and `nightwatch_train_loss` (a range
-    selector, so both keep their scrape timestamps) joined by `loss_from_matrix`. An
+    Raw scraped samples of `nightwatch_train_step`, `nightwatch_train_loss` and the last-step
+    time that marks placeholders (range selectors, so all keep their scrape timestamps)
+    joined by `loss_from_matrix`. An
     unreachable or failing Prometheus gives an empty curve: the report then falls back to the
     checkpoints' losses rather than failing.
     """
@@ -538,7 +539,7 @@ def loss_history(
     own = client or httpx.Client(timeout=10.0)
     try:
         matrices = []
-        for name in (RUN_FIELDS["step"], RUN_FIELDS["loss"]):
+        for name in (RUN_FIELDS["step"], RUN_FIELDS["loss"], RUN_FIELDS["last_step_ts"]):
             payload = own.get(
                 f"{url.rstrip('/')}/api/v1/query",
                 params={"query": f'{name}{{run_id="{run_id}"}}[{span}s]'},

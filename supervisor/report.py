@@ -495,13 +495,24 @@ def render_text(report: Report) -> str:
     return "\n".join(out) + "\n"
 
 
-def loss_from_matrix(step_result: Sequence[Row], loss_result: Sequence[Row]) -> list[LossPoint]:
+def loss_from_matrix(
+    step_result: Sequence[Row], loss_result: Sequence[Row], last_step_result: Sequence[Row] = ()
+) -> list[LossPoint]:
     """Join Prometheus range-query matrices of `nightwatch_train_step` and `..._loss`.
 
     Both come from the same scrapes of the same endpoint, so samples pair by (attempt, time).
     Scrapes that saw the same step twice yield one point; non-finite losses are kept out (the
-    plot marks NaN incidents from the incident rows instead).
+    plot marks NaN incidents from the incident rows instead). A process exports its gauges from
+    its start, before its first step: those scrapes (`nightwatch_train_last_step_timestamp_
+    seconds` still 0, `last_step_result`) hold a placeholder loss of 0 at the resume step, not
+    a measurement, and are left out, as the watchdog leaves them out.
     """
+    placeholders = {
+        (series["metric"].get("attempt", ""), float(t))
+        for series in last_step_result
+        for t, v in series["values"]
+        if float(v) == 0
+    }
     steps: dict[tuple[str, float], int] = {}
     for series in step_result:
         attempt = series["metric"].get("attempt", "")
@@ -513,7 +524,7 @@ def loss_from_matrix(step_result: Sequence[Row], loss_result: Sequence[Row]) -> 
         for t, v in series["values"]:
             step = steps.get((attempt, float(t)))
             loss = float(v)
-            if step is None or not math.isfinite(loss):
+            if step is None or not math.isfinite(loss) or (attempt, float(t)) in placeholders:
                 continue
             points.setdefault(
                 (attempt, step),

@@ -160,6 +160,16 @@ def test_loss_from_prometheus_matrices_pairs_by_attempt_and_time() -> None:
     assert [(p.attempt, p.step, p.loss) for p in points] == [(1, 5, 2.5), (1, 7, 2.1), (2, 3, 2.9)]
 
 
+def test_scrapes_before_an_attempts_first_step_are_no_loss_points() -> None:
+    """A resumed process exports loss 0 at its resume step until its first step finishes:
+    without the last-step time the report drew a loss of 0 at every restart."""
+    steps = [{"metric": {"attempt": "2"}, "values": [[200, "30"], [201, "30"], [202, "31"]]}]
+    losses = [{"metric": {"attempt": "2"}, "values": [[200, "0"], [201, "0"], [202, "2.7"]]}]
+    last = [{"metric": {"attempt": "2"}, "values": [[200, "0"], [201, "0"], [202, "202"]]}]
+    assert [(p.step, p.loss) for p in loss_from_matrix(steps, losses)] == [(30, 0.0), (31, 2.7)]
+    assert [(p.step, p.loss) for p in loss_from_matrix(steps, losses, last)] == [(31, 2.7)]
+
+
 def test_checkpoint_losses_skip_incomplete_and_nonfinite() -> None:
     rows = [
         {"step": 10, "loss": 3.0, "saved_at": at(10), "complete": True},

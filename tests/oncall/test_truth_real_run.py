@@ -222,6 +222,8 @@ def test_loss_history_joins_real_scrapes(scenario: Scenario) -> None:
     assert set(by_attempt) >= {1, 2}
     for steps in by_attempt.values():
         assert steps == sorted(set(steps))  # one point per step seen, in order
+    # no placeholder: a process exports loss 0 at its resume step until its first step ends
+    assert min(p.loss for p in points) > 1.0
     # attempt 1 was scraped before and inside the poisoned window, attempt 2 after it
     assert min(by_attempt[1]) < POISON[0] // BATCH < max(by_attempt[1])
     assert max(by_attempt[2]) > max(by_attempt[1])
