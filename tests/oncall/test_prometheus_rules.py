@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from promql_truth import all_queries, substitute
 
 REPO = Path(__file__).resolve().parents[2]
 PROM = REPO / "dashboards" / "prometheus"
@@ -75,3 +77,49 @@ def test_workers_are_discovered_from_the_supervisor_with_a_token() -> None:
     }
     assert jobs["nightwatch-workers"]["honor_labels"] is True
     assert config["rule_files"] == ["alerts.yml"]
+
+
+#: Gauges a training process measures at each step; before its first step they hold 0.
+PER_STEP = {
+    "loss", "loss_window_max", "grad_norm", "grad_norm_window_max", "learning_rate",
+    "step_time_seconds", "step_time_window_avg_seconds",
+}  # fmt: skip
+_TRAIN_METRIC = re.compile(r"\bnightwatch_train_(\w+)")
+
+
+def _per_step_panels() -> list[tuple[str, str]]:
+    return [
+        (q.source, substitute(q.expr, {"run_id": "r-1"}))
+        for q in all_queries()
+        if q.kind == "panel" and PER_STEP & set(_TRAIN_METRIC.findall(q.expr))
+    ]
+
+
+def test_a_process_before_its_first_step_shows_no_measurement(tmp_path: Path) -> None:
+    """A restarted process exports its gauges from its start, at 0, until its first step
+    (the last-step time says which): a panel drew a loss, learning rate or step time of 0
+    at every restart. Evaluated by promtool on series of such a process alone."""
+    panels = _per_step_panels()
+    assert len(panels) >= 8
+    names = sorted({n for _, expr in panels for n in _TRAIN_METRIC.findall(expr)})
+    series = [
+        {"series": f'nightwatch_train_{n}{{run_id="r-1",attempt="2",node="{node}"}}',
+         "values": "0x10"}
+        for n in names for node in ("n1", "n2")
+    ]  # fmt: skip
+    suite = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": series,
+                "promql_expr_test": [
+                    {"expr": expr, "eval_time": "1m", "exp_samples": []} for _, expr in panels
+                ],
+            }
+        ],
+    }
+    (tmp_path / "placeholders_test.yml").write_text(yaml.safe_dump(suite))
+    result = promtool("test", "rules", "placeholders_test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
