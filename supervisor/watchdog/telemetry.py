@@ -10,6 +10,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from supervisor.watchdog.snapshot import FindingKind, RemedyKind
+
 NS = "nightwatch_supervisor"
 _LATENCY_BUCKETS = (0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800)
 
@@ -67,6 +69,14 @@ class WatchdogMetrics:
             ["run_id"],
             registry=registry,
         )
+        # Every kind exported at 0 from the start: `increase()` needs a sample before the
+        # first increment, so a series born at 1 hid the first incident of each kind since
+        # the supervisor started from the dashboards' annotations and panels.
+        for finding in FindingKind:
+            self.incidents.labels(kind=finding.value)
+        for remedy in RemedyKind:
+            if remedy is not RemedyKind.NONE:
+                self.remedies.labels(kind=remedy.value)
 
     def forget_run(self, run_id: str) -> None:
         """Drop a finished run's per-run series so /metrics does not grow without bound."""

@@ -35,6 +35,7 @@ from supervisor.watchdog import accounting
 from supervisor.watchdog.actions import checkpoint_dir
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig, job_view, log_cause
 from supervisor.watchdog.snapshot import Cause, FindingKind, MetricSample, RemedyKind
+from supervisor.watchdog.telemetry import WatchdogMetrics
 
 
 def make(
@@ -561,3 +562,16 @@ def test_a_completing_job_keeps_the_attempts_nodes() -> None:
     running = JobStatus("7", JobState.RUNNING, ("n1", "n3"), raw_state="RUNNING")
     view = job_view(running, slurm_up=True, attempt=attempt, now=time.time(), lost_after_s=60)
     assert view.nodes == ("n1", "n3")
+
+
+def test_every_incident_and_remedy_kind_is_exported_at_zero_from_the_start() -> None:
+    """`increase()` needs a sample before the first increment: a counter series born at 1
+    hid the first incident of each kind from the dashboards' annotations."""
+    registry = CollectorRegistry()
+    WatchdogMetrics(registry)
+    text = generate_latest(registry).decode()
+    for kind in FindingKind:
+        assert f'nightwatch_supervisor_incidents_total{{kind="{kind.value}"}} 0.0' in text
+    for remedy in RemedyKind:
+        line = f'nightwatch_supervisor_remedies_total{{kind="{remedy.value}"}} 0.0'
+        assert (line in text) is (remedy is not RemedyKind.NONE)
