@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from benchmarks.chaos_soak import Mode, acceptance, mode_from_args, parse_args, soak_spec
+from benchmarks.chaos_soak import Mode, acceptance, main, mode_from_args, parse_args, soak_spec
 from benchmarks.soak.baseline import ReferenceMismatch, load_reference, sbatch_script
 from benchmarks.soak.faults import elapsed_minutes
 from benchmarks.soak.schedule import SHORT_KINDS, FaultKind, SoakShape, draw
@@ -74,6 +75,14 @@ def test_acceptance_names_what_failed() -> None:
     assert any("2 remedies" in f for f in failed)
     assert acceptance(ok, clean=False, ettr_min=0.4) == []
     assert acceptance(ok, clean=False, ettr_min=0.95) == ["ETTR 0.5 below 95%"]
+    unreferenced = dataclasses.replace(ok, loss_rel_diff=None)
+    assert acceptance(unreferenced, clean=True) == ["final loss off the reference by None"]
+    assert acceptance(unreferenced, clean=True, compare_loss=False) == []
+
+
+def test_only_a_clean_soak_may_go_without_a_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--no-reference", "--steps", "10"]) == 2
+    assert "--no-reference needs --clean" in capsys.readouterr().err
 
 
 def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:
