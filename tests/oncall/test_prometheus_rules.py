@@ -87,9 +87,9 @@ PER_STEP = {
 _TRAIN_METRIC = re.compile(r"\bnightwatch_train_(\w+)")
 
 
-def _per_step_panels() -> list[tuple[str, str]]:
+def _per_step_panels() -> list[str]:
     return [
-        (q.source, substitute(q.expr, {"run_id": "r-1"}))
+        substitute(q.expr, {"run_id": "r-1"})
         for q in all_queries()
         if q.kind == "panel" and PER_STEP & set(_TRAIN_METRIC.findall(q.expr))
     ]
@@ -101,7 +101,7 @@ def test_a_process_before_its_first_step_shows_no_measurement(tmp_path: Path) ->
     at every restart. Evaluated by promtool on series of such a process alone."""
     panels = _per_step_panels()
     assert len(panels) >= 8
-    names = sorted({n for _, expr in panels for n in _TRAIN_METRIC.findall(expr)})
+    names = sorted({n for expr in panels for n in _TRAIN_METRIC.findall(expr)})
     series = [
         {"series": f'nightwatch_train_{n}{{run_id="r-1",attempt="2",node="{node}"}}',
          "values": "0x10"}
@@ -115,7 +115,7 @@ def test_a_process_before_its_first_step_shows_no_measurement(tmp_path: Path) ->
                 "interval": "15s",
                 "input_series": series,
                 "promql_expr_test": [
-                    {"expr": expr, "eval_time": "1m", "exp_samples": []} for _, expr in panels
+                    {"expr": expr, "eval_time": "1m", "exp_samples": []} for expr in panels
                 ],
             }
         ],
