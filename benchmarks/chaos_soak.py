@@ -107,7 +107,9 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
             "nodes": JOB_NODES,
             "gpus_per_node": PER_NODE,
             "cpus_per_task": 1,
-            "time_limit_minutes": 60,
+            # Longer than any soak: a clean run must not end at a walltime (the supervisor's
+            # requeue there is a remedy); the walltime fault cuts the limit itself.
+            "time_limit_minutes": 24 * 60,
         },
         "training": {
             "train_steps": mode.train_steps,
