@@ -90,10 +90,12 @@ class Faults:
             if f.step == step:
                 self._mark_fired(_crash_marker(f))
         if any(f.step == step for f in self.crash) or "crash" in effects:
-            print(f'{{"event": "injected_crash", "step": {step}}}', file=sys.stderr, flush=True)
+            sys.stderr.write(f'{{"event": "injected_crash", "step": {step}}}\n')  # one write
+            sys.stderr.flush()
             os._exit(exitcodes.INJECTED_CRASH)
         if "hang" in effects:
-            print(f'{{"event": "injected_hang", "step": {step}}}', file=sys.stderr, flush=True)
+            sys.stderr.write(f'{{"event": "injected_hang", "step": {step}}}\n')
+            sys.stderr.flush()
             while True:
                 time.sleep(3600)
 

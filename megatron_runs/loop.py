@@ -75,7 +75,10 @@ class _Log:
     def __call__(self, event: str, all_ranks: bool = False, **fields: object) -> None:
         if self.rank == 0 or all_ranks:
             line = {"ts": round(time.time(), 3), "event": event, **self.base, **fields}
-            print(json.dumps(line, default=str), file=sys.stderr, flush=True)
+            # One write per line: a node task's forked ranks share its log file, and print()
+            # writes the newline apart, where another rank's output could land in between.
+            sys.stderr.write(json.dumps(line, default=str) + "\n")
+            sys.stderr.flush()
 
 
 class _StopFlag:

@@ -63,6 +63,14 @@ def train(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     return loop.run(spec, ctx)
 
 
+def preload() -> None:
+    """What every rank imports, for a launcher that imports once and forks the ranks
+    (`worker.ranks`): the loop, and `torch._dynamo`, which torch.optim's `_disable_dynamo`
+    wrappers import on the optimizer's first call (1.1 s a rank, docs/benchmarks.md)."""
+    import_frozen("megatron_runs.loop")
+    import_frozen("torch._dynamo")
+
+
 def import_frozen(name: str) -> ModuleType:
     """Import with the cyclic collector off, then freeze every object that exists.
 

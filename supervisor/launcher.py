@@ -68,15 +68,18 @@ def job_env(plan: SubmitPlan) -> dict[str, str]:
 
 
 def job_request(plan: SubmitPlan) -> JobRequest:
-    """sbatch-level request: tasks per node = GPUs per node (processes per node on CPU)."""
+    """sbatch-level request: one task per node, which forks a rank per GPU (processes per node
+    on CPU) after importing the training program once (`worker.ranks`); the task holds every
+    rank's CPUs."""
     res = plan.spec.resources
     exclude = tuple(sorted({*res.exclude, *plan.exclude}))
     return JobRequest(
         job_name=job_name(plan.run_id, plan.attempt),
         log_dir=plan.log_dir,
         nodes=res.nodes,
-        tasks_per_node=res.gpus_per_node,
-        cpus_per_task=res.cpus_per_task,
+        tasks_per_node=1,
+        ranks_per_task=res.gpus_per_node,
+        cpus_per_task=res.cpus_per_task * res.gpus_per_node,
         gpus_per_node=res.gpus_per_node if plan.gpus else None,
         time_limit_minutes=res.time_limit_minutes,
         partition=res.partition,
@@ -101,6 +104,7 @@ def training_task(plan: SubmitPlan) -> TrainingTask:
         metrics=plan.metrics,
         entry=plan.entry,
         env=tuple(sorted(job_env(plan).items())),
+        ranks_per_task=plan.spec.resources.gpus_per_node,
     )
 
 

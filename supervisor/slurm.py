@@ -146,6 +146,9 @@ class JobRequest:
     exclude: tuple[str, ...] = ()
     signal_delay_s: int = 90
     requeue: bool = False
+    #: Ranks each task forks (`worker.ranks`): not SLURM's concern, but a job's exit codes
+    #: are recorded per rank, and the local executor counts them.
+    ranks_per_task: int = 1
 
 
 @dataclass(frozen=True)
@@ -584,7 +587,7 @@ class LocalCluster:
         )
         job = executor.submit(fn)
         self._jobs[job.job_id] = (job, request.log_dir / job.job_id)
-        self._tasks[job.job_id] = request.tasks_per_node
+        self._tasks[job.job_id] = request.tasks_per_node * request.ranks_per_task
         return Submission(job_id=job.job_id, log_dir=request.log_dir / job.job_id)
 
     def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:

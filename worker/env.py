@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 10000
@@ -71,6 +71,24 @@ def dist_env(info: TaskInfo, resolves: Callable[[str], bool] = _resolves) -> dic
         "WORLD_SIZE": str(info.num_tasks),
         "LOCAL_WORLD_SIZE": str(info.num_tasks // max(info.num_nodes, 1)),
     }
+
+
+def rank_infos(task: TaskInfo, ranks_per_task: int) -> list[TaskInfo]:
+    """The ranks one scheduler task runs: rank `k` of task `t` is global rank `t * n + k`.
+
+    With one task per node forking its node's ranks (`worker.ranks`), task `t` is node `t`, so
+    ranks stay node-contiguous, as they are with one task per rank."""
+    if ranks_per_task < 1:
+        raise ValueError(f"ranks_per_task must be >= 1, not {ranks_per_task}")
+    return [
+        replace(
+            task,
+            global_rank=task.global_rank * ranks_per_task + k,
+            local_rank=task.local_rank * ranks_per_task + k,
+            num_tasks=task.num_tasks * ranks_per_task,
+        )
+        for k in range(ranks_per_task)
+    ]
 
 
 def task_info() -> TaskInfo:

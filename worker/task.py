@@ -1,5 +1,8 @@
 """The submitit callable: one instance is pickled per attempt, every task of the job runs it.
 
+A task is one rank, or (`ranks_per_task` > 1, the launcher's default: one task per node) a
+node whose ranks it forks after importing the training program once (`worker.ranks`).
+
 Why a frozen dataclass of plain values: it must pickle (and unpickle in a fresh interpreter)
 without the supervisor's modules. It sets the torch.distributed environment from the task,
 registers the node's metrics endpoint (local rank 0 of each node, per the contract), runs the
@@ -21,12 +24,11 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
-from worker.env import TaskInfo, dist_env, node_name, task_info
+from worker.env import TaskInfo, dist_env, node_name, rank_infos, task_info
+from worker.ranks import EXIT_REQUEUE, NODE_PROCESS_NAME, fork_ranks, name_process
 from worker.registration import Registrar
 
 log = logging.getLogger("nightwatch.worker")
-
-EXIT_REQUEUE = 75  # megatron_runs.exitcodes.REQUEUE
 
 
 class _EarlyStop:
@@ -60,13 +62,29 @@ class TrainingTask:
     metrics: bool = True
     entry: str = "megatron_runs.train"
     env: tuple[tuple[str, str], ...] = ()
+    ranks_per_task: int = 1
 
     def __call__(self) -> NoReturn:
         early = _EarlyStop()
         early.install()
         # The launcher's environment (docs/contracts.md), set before torch is imported.
         os.environ.update(dict(self.env))
-        info = task_info()
+        ranks = rank_infos(task_info(), self.ranks_per_task)
+        if len(ranks) == 1:
+            _leave(self._rank(ranks[0], early))
+        code = 1
+        try:
+            _preload(self.entry)
+            name_process(NODE_PROCESS_NAME)
+            code = fork_ranks(ranks, lambda info: self._rank(info, early), _leave)
+        except BaseException:
+            traceback.print_exc()  # before any rank ran: each of them failed
+            for info in ranks:
+                _record_exit(info, code)
+        _leave(code)
+
+    def _rank(self, info: TaskInfo, early: _EarlyStop) -> int:
+        """Train as one rank; the exit code, recorded beside the job's logs."""
         code = 1
         try:
             code = self._run(info, early)
@@ -76,7 +94,7 @@ class TrainingTask:
             traceback.print_exc()  # the crash blame reads it from the task's log
         finally:
             _record_exit(info, code)
-        _leave(code)
+        return code
 
     def _run(self, info: TaskInfo, early: _EarlyStop) -> int:
         os.environ.update(dist_env(info))
@@ -131,11 +149,24 @@ def _leave(code: int) -> NoReturn:
     and without the interpreter's teardown, as `python -m megatron_runs.train` does: a
     process group with a dead peer can hang it, and a task that does not exit keeps its job
     RUNNING, so a rank's crash looked like a hang of the whole job. submitit's result pickle
-    is not written; nothing reads it (the supervisor reads SLURM and the exit-code files)."""
+    is not written; nothing reads it (the supervisor reads SLURM and the exit-code files).
+    A negative code is a rank killed by that signal: the task dies by it too, so SLURM reports
+    the kill as it did when the rank was the task."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def _preload(entry: str) -> None:
+    """Import the training program (and what its `preload()` names) once, before the fork."""
+    module = importlib.import_module(entry)
+    preload = getattr(module, "preload", None)
+    if preload is not None:
+        preload()
 
 
 def _record_exit(info: TaskInfo, code: int) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from benchmarks.soak.schedule import FaultKind, ScheduledFault
 from benchmarks.soak.services import Cluster, Supervisor
 from megatron_runs.faults import truncate_largest
+from worker.ranks import rank_process_name
 
 PREEMPT_GRACE_S = 30.0
 
@@ -71,23 +72,33 @@ def _ppid(pid: str) -> str:
 
 
 def rank_process(job_id: str, rank: int) -> int | None:
-    """The training process of one global rank: a python whose SLURM step environment says
-    this job and rank, and whose parent is not one (not a helper it spawned)."""
+    """The training process of one global rank of a job: Nightwatch's node task forks its
+    ranks and names each (`worker.ranks`: `nw-rank<N>` in /proc/<pid>/comm, the environment
+    being the node task's); the baseline's ranks are SLURM tasks (SLURM_PROCID), and its
+    python's own children (helpers) are not ranks."""
+    named: list[str] = []
     found: set[str] = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         env = _environ(entry.name)
-        if env.get("SLURM_JOB_ID") != job_id or env.get("SLURM_PROCID") != str(rank):
+        if env.get("SLURM_JOB_ID") != job_id:
             continue
         if "SLURM_STEP_ID" not in env or env.get("SLURM_STEP_ID") == "batch":
             continue
         try:
+            comm = Path(f"/proc/{entry.name}/comm").read_text().strip()
             cmd = Path(f"/proc/{entry.name}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"python" in cmd:
+        if comm == rank_process_name(rank):
+            named.append(entry.name)
+        elif comm.startswith("nw-"):
+            continue  # another rank, or a node task (its SLURM_PROCID is its node's)
+        elif env.get("SLURM_PROCID") == str(rank) and b"python" in cmd:
             found.add(entry.name)
+    if named:
+        return int(min(named, key=int))
     tops = [p for p in found if _ppid(p) not in found]
     return int(min(tops, key=int)) if tops else None
 

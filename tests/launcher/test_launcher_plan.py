@@ -38,7 +38,10 @@ def plan(toy_spec) -> SubmitPlan:
 def test_job_request_from_plan(plan):
     req = launcher.job_request(plan)
     env = dict(launcher.training_task(plan).env)
-    assert (req.nodes, req.tasks_per_node, req.gpus_per_node) == (2, 2, None)
+    # One task per node holds the node's 2 ranks (and their CPUs) and forks them.
+    assert (req.nodes, req.tasks_per_node, req.gpus_per_node) == (2, 1, None)
+    assert (req.ranks_per_task, req.cpus_per_task) == (2, 2 * plan.spec.resources.cpus_per_task)
+    assert launcher.training_task(plan).ranks_per_task == 2
     assert req.exclude == ("n2", "n9")  # the spec's and the plan's, merged
     assert req.job_name == "nw-r1-a3" and req.requeue is False
     assert env["NIGHTWATCH_URL"] == "http://127.0.0.1:8787"
