@@ -111,6 +111,8 @@ def main() -> None:
             resumed = replace(plan, attempt=attempt, checkpoint_dir=ckpt, stop_at_step=None)
             runs[way].append(one_job(cluster, resumed, way, args.timeout))
             print(json.dumps({"way": way, **runs[way][-1]}), flush=True)
+            if runs[way][-1]["exit_code"] != 0:  # a broken way must not leave medians behind
+                raise SystemExit(f"{way} failed: {runs[way][-1]}")
     medians = {
         way: {
             key: statistics.median(r[key] for r in rs if r[key] is not None)

@@ -30,6 +30,8 @@ from worker.env import TaskInfo
 
 #: How long the peers of a failed rank may take to fail on their own before they are killed.
 PEER_GRACE_S = 2.0
+#: How often the node task looks for ranks that ended (a crash ends its job this much later).
+REAP_INTERVAL_S = 0.05
 #: The signals a scheduler sends to stop a job with a checkpoint (walltime, preemption).
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 EXIT_REQUEUE = 75  # megatron_runs.exitcodes.REQUEUE: checkpointed on a stop signal
@@ -68,13 +70,16 @@ def die_with_parent(parent: int) -> None:
 
 
 def rank_process_name(rank: int) -> str:
+    """What a forked rank calls itself in /proc/<pid>/comm (15 characters at most)."""
     return f"nw-rank{rank}"
 
 
 def _prctl(option: int, arg: object) -> None:
     """Linux's prctl(2); elsewhere (a developer's laptop) there is nothing to set."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+        if ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"prctl({option}): {os.strerror(errno)}")
 
 
 def _cuda_initialised() -> bool:
@@ -91,64 +96,93 @@ def fork_ranks(
     """Fork one child per rank; each runs `run_rank(info)` and ends with `leave(code)` (which
     must not return). Returns the node's outcome (`node_outcome`) once every child has ended.
 
-    Stop signals are blocked across the forks: a child starts with its parent's handlers (the
-    worker's early-stop recorder), and the parent installs its forwarder only after the last
-    fork, so a signal in between is held, then forwarded, never lost.
+    No stop signal is lost or misdirected. The forwarder is installed before the first fork
+    and remembers what it saw; a child starts with signals blocked, puts back the handlers the
+    forwarder replaced (the worker's early-stop recorder), hands them what the parent had seen
+    by its fork, then unblocks; after the last fork the parent sends everything it saw to every
+    child again (a stop is idempotent), for a signal that came between a fork and the child's
+    registration. Blocking in one thread does not keep a signal from the process's other
+    threads (a test runner has some), which is why the forwarder must be in place throughout.
     """
     if _cuda_initialised():
         raise RuntimeError("CUDA was initialised before the ranks were forked")
+    children: dict[int, TaskInfo] = {}
+    seen: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        seen.append(signum)
+        _send(children, signum)
+
+    handlers = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     sys.stdout.flush()
     sys.stderr.flush()
-    children: dict[int, TaskInfo] = {}
     parent = os.getpid()
-    for info in ranks:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                die_with_parent(parent)
-                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-                name_process(rank_process_name(info.global_rank))
-                leave(run_rank(info))
-            finally:
-                os._exit(1)  # a child never returns into its parent's code
-        children[pid] = info
-
-    def forward(signum: int, frame: object) -> None:
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-
-    handlers = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     try:
+        for info in ranks:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    die_with_parent(parent)
+                    _take_over_signals(handlers, seen)
+                    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+                    name_process(rank_process_name(info.global_rank))
+                    leave(run_rank(info))
+                finally:
+                    os._exit(1)  # a child never returns into its parent's code
+            children[pid] = info
+        for signum in dict.fromkeys(seen):
+            _send(children, signum)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         return _wait(children, grace_s)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
 
+def _send(children: dict[int, TaskInfo], signum: int) -> None:
+    for pid in list(children):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _take_over_signals(handlers: dict[int, object], seen: Sequence[int]) -> None:
+    """In a new rank: its own handlers back, and the stops its parent saw before the fork."""
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+    for signum in dict.fromkeys(seen):
+        handler = handlers.get(signum)
+        if callable(handler):
+            handler(signum, None)
+
+
 def _wait(children: dict[int, TaskInfo], grace_s: float) -> int:
-    """Reap every child; after the first failure, kill whoever is left after `grace_s`."""
+    """Reap every child; after the first failure, kill whoever is left after `grace_s`.
+
+    Each by its pid, never `waitpid(-1)`: that would also reap children that are not ranks
+    (a test runner's, for one), whose owners then wait in vain."""
     codes: list[int] = []
     deadline: float | None = None
     while children:
-        if deadline is None:
-            pid, status = os.waitpid(-1, 0)
-        else:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                if time.monotonic() >= deadline:
-                    for left in children:
-                        os.kill(left, signal.SIGKILL)
-                    deadline = float("inf")
-                time.sleep(0.02)
-                continue
-        if pid not in children:
-            continue
-        del children[pid]
-        code = os.waitstatus_to_exitcode(status)
-        codes.append(code)
-        if deadline is None and code not in (0, EXIT_REQUEUE):
-            deadline = time.monotonic() + grace_s
+        ended = [(pid, status) for pid in list(children) if (status := _reaped(pid)) is not None]
+        for pid, status in ended:
+            del children[pid]
+            code = os.waitstatus_to_exitcode(status)
+            codes.append(code)
+            if deadline is None and code not in (0, EXIT_REQUEUE):
+                deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() >= deadline:
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        if children and not ended:
+            time.sleep(REAP_INTERVAL_S)
     return node_outcome(codes)
+
+
+def _reaped(pid: int) -> int | None:
+    """The wait status of a child that has ended, else None."""
+    done, status = os.waitpid(pid, os.WNOHANG)
+    return status if done else None

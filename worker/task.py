@@ -13,9 +13,11 @@ supervisor, not submitit, decides requeues.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -72,13 +74,17 @@ class TrainingTask:
         ranks = rank_infos(task_info(), self.ranks_per_task)
         if len(ranks) == 1:
             _leave(self._rank(ranks[0], early))
+        # torch.cuda.is_available() (cpu_compat calls it on import) asks the driver for its
+        # devices unless told to ask NVML, and a CUDA driver touched before a fork fails in the
+        # children: every forked rank on a GPU node would fail to select its device.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         code = 1
         try:
             _preload(self.entry)
             name_process(NODE_PROCESS_NAME)
             code = fork_ranks(ranks, lambda info: self._rank(info, early), _leave)
         except BaseException:
-            traceback.print_exc()  # before any rank ran: each of them failed
+            traceback.print_exc()  # the node task itself failed: every rank counts as failed
             for info in ranks:
                 _record_exit(info, code)
         _leave(code)
@@ -156,7 +162,9 @@ def _leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's action cannot be set
+            signal.signal(-code, signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the rank's crash, not a core of ours
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 128 - code)
 

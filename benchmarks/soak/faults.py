@@ -97,8 +97,9 @@ def rank_process(job_id: str, rank: int) -> int | None:
             continue  # another rank, or a node task (its SLURM_PROCID is its node's)
         elif env.get("SLURM_PROCID") == str(rank) and b"python" in cmd:
             found.add(entry.name)
-    if named:
-        return int(min(named, key=int))
+    if named:  # a rank's own helpers inherit its name: the one whose parent is not named so
+        top = [p for p in named if _ppid(p) not in named]
+        return int(min(top or named, key=int))
     tops = [p for p in found if _ppid(p) not in found]
     return int(min(tops, key=int)) if tops else None
 

@@ -78,9 +78,12 @@ def parse_lines(lines: Iterable[str]) -> Progress:
     """Keep the trainer's `train_start` and `step` records; ignore everything else."""
     out = Progress()
     for line in lines:
-        line = line.strip()
-        if not line.startswith("{") or '"event"' not in line:
+        # A node's ranks share its log: another rank's unterminated output (a C++ warning, a
+        # traceback written in pieces) can stand before a record on its line.
+        start = line.find('{"ts"')
+        if start < 0 or '"event"' not in line:
             continue
+        line = line[start:].strip()
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:

@@ -248,3 +248,11 @@ def test_the_pace_counts_saves_but_not_restarts() -> None:
         p.steps.append(StepEvent(t, step, 1.0, "1/1" if step <= 30 else "2/2"))
     assert pace_s(p, 10) == pytest.approx(1.2)
     assert pace_s(p, 100) is None
+
+
+def test_a_record_behind_another_ranks_unfinished_output_is_kept() -> None:
+    """A node's ranks share its log file: rank 1's warning without a newline put rank 0's
+    `train_start` in mid-line, and the soak lost that restart (thirteenth session)."""
+    record = {"ts": 5, "event": "train_start", "step": 20, "attempt": 2, "job_id": "7"}
+    line = "/work/main/megatron_runs/cpu_compat.py:218: UserWarnin" + json.dumps(record)
+    assert [s.step for s in parse_lines([line]).starts] == [20]
