@@ -3,15 +3,15 @@
 Why: every rank used to be its own scheduler task, and every task imported torch and
 megatron-core on its own at every (re)start. On a node with fewer cores than ranks those
 imports share the cores: on the 2-core development VM they were most of a restart (4 ranks:
-5.0 s against 2.8 s for 2, docs/benchmarks.md), and on a GPU cluster 8 ranks per node read the
-same thousands of files from a shared file system. A fork after the import shares the imported
-modules (copy-on-write, with `gc.freeze`) and costs milliseconds.
+14.1 s to the first step, 6.1 s forked; `benchmarks/restart_cost.py`), and on a GPU cluster 8
+ranks per node read the same thousands of files from a shared file system. A fork after the
+import shares the imported modules (copy-on-write, with `gc.freeze`) and costs milliseconds.
 
 The parent (the node's task) trains nothing. It forwards the stop signals (USR2/TERM) to its
 ranks and ends with their outcome: the first rank that fails decides it, and its peers are
 given `PEER_GRACE_S` to fail on their own (a collective with a dead peer raises within
 milliseconds, and their tracebacks are evidence for the crash blame) before they are killed,
-so a crashed rank ends its job at once (docs/contracts.md "Worker").
+so a crashed rank ends its job at once (docs/contracts.md, "Node task").
 
 CUDA must not be initialised before the fork; `fork_ranks` refuses if it is.
 """
