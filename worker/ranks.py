@@ -49,9 +49,14 @@ def node_outcome(codes: Sequence[int]) -> int:
     or that were killed after the grace), so it wins; otherwise a requeue (75) beats success.
     """
     for code in codes:
-        if code not in (0, EXIT_REQUEUE):
+        if _failed(code):
             return code
     return EXIT_REQUEUE if EXIT_REQUEUE in codes else 0
+
+
+def _failed(code: int) -> bool:
+    """Neither done nor checkpointed on a stop signal: an error code or a killing signal."""
+    return code not in (0, EXIT_REQUEUE)
 
 
 def name_process(name: str) -> None:
@@ -170,12 +175,10 @@ def _wait(children: dict[int, TaskInfo], grace_s: float) -> int:
             del children[pid]
             code = os.waitstatus_to_exitcode(status)
             codes.append(code)
-            if deadline is None and code not in (0, EXIT_REQUEUE):
+            if deadline is None and _failed(code):
                 deadline = time.monotonic() + grace_s
         if deadline is not None and time.monotonic() >= deadline:
-            for pid in children:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            _send(children, signal.SIGKILL)
             deadline = float("inf")
         if children and not ended:
             time.sleep(REAP_INTERVAL_S)

@@ -76,7 +76,7 @@ def rank_process(job_id: str, rank: int) -> int | None:
     ranks and names each (`worker.ranks`: `nw-rank<N>` in /proc/<pid>/comm, the environment
     being the node task's); the baseline's ranks are SLURM tasks (SLURM_PROCID), and its
     python's own children (helpers) are not ranks."""
-    named: list[str] = []
+    named: set[str] = set()
     found: set[str] = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -92,15 +92,14 @@ def rank_process(job_id: str, rank: int) -> int | None:
         except OSError:
             continue
         if comm == rank_process_name(rank):
-            named.append(entry.name)
+            named.add(entry.name)
         elif comm.startswith("nw-"):
             continue  # another rank, or a node task (its SLURM_PROCID is its node's)
         elif env.get("SLURM_PROCID") == str(rank) and b"python" in cmd:
             found.add(entry.name)
-    if named:  # a rank's own helpers inherit its name: the one whose parent is not named so
-        top = [p for p in named if _ppid(p) not in named]
-        return int(min(top or named, key=int))
-    tops = [p for p in found if _ppid(p) not in found]
+    # A rank's own helpers inherit its name or environment: the one whose parent is not one.
+    candidates = named or found
+    tops = [p for p in candidates if _ppid(p) not in candidates]
     return int(min(tops, key=int)) if tops else None
 
 
