@@ -5,7 +5,9 @@ Each fault is tied to its cause, so only the right remedy cures it:
   are read — it recurs until a rollback skips those global sample indices;
 * node: a sick node (by node name) yields NaN gradients, hangs, runs slow, or crashes on every
   step from `after_step` on — it recurs on every attempt until the node is excluded; with
-  `local_rank`, only that device of the node does (one bad GPU);
+  `local_rank`, only that device of the node does (one bad GPU); one given by its place in the
+  job (`job_node`) is whichever node holds that place at the first strike, pinned by a marker
+  file from then on, so it is met again only where a later attempt lands on that node;
 * crash: one process crash at a step; a marker file beside the checkpoints records that it
   fired, so a restart (whatever its attempt number, under any supervisor) does not meet it again;
 * corrupt_checkpoint: the checkpoint published at that step is truncated, once (marker likewise).
@@ -16,7 +18,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_runs import exitcodes
@@ -32,23 +35,42 @@ class Faults:
     crash: tuple[CrashFault, ...]
     corrupt: tuple[CorruptCheckpointFault, ...]
     marker_dir: Path | None = None
+    this_node: str = ""
+    #: Pin files of this process's `job_node` faults not pinned yet: written at the first strike.
+    to_pin: set[str] = field(default_factory=set)
 
     @classmethod
     def for_process(
-        cls, spec: RunSpec, node: str, rank: int, checkpoint_dir: Path, local_rank: int = 0
+        cls,
+        spec: RunSpec,
+        node: str,
+        rank: int,
+        checkpoint_dir: Path,
+        local_rank: int = 0,
+        job_nodes: Sequence[str] = (),
     ) -> Faults:
-        """Faults of this process; one-shot faults that already fired (marker present) drop out."""
+        """Faults of this process; one-shot faults that already fired (marker present) drop out.
+
+        `job_nodes` (the job's nodes in rank order) places the `job_node` faults not pinned yet.
+        """
         fs = spec.faults
         markers = Path(checkpoint_dir) / ".faults"
+        sick: list[NodeFault] = []
+        to_pin: set[str] = set()
+        for f in fs:
+            if not isinstance(f, NodeFault) or f.local_rank not in (None, local_rank):
+                continue
+            where = f.node if f.node is not None else pinned_node(checkpoint_dir, f)
+            unpinned = False
+            if where is None and f.job_node is not None and f.job_node < len(job_nodes):
+                where, unpinned = job_nodes[f.job_node], True
+            if where == node:
+                sick.append(f)
+                if unpinned:
+                    to_pin.add(pin_name(f))
         return cls(
             poison=tuple(f for f in fs if isinstance(f, PoisonDataFault)),
-            node=tuple(
-                f
-                for f in fs
-                if isinstance(f, NodeFault)
-                and f.node == node
-                and f.local_rank in (None, local_rank)
-            ),
+            node=tuple(sick),
             crash=tuple(
                 f
                 for f in fs
@@ -63,6 +85,8 @@ class Faults:
                 and not (markers / _corrupt_marker(f)).exists()
             ),
             marker_dir=markers,
+            this_node=node,
+            to_pin=to_pin,
         )
 
     def _mark_fired(self, name: str) -> None:
@@ -78,7 +102,32 @@ class Faults:
         return None
 
     def node_effects(self, step: int) -> set[str]:
-        return {f.effect for f in self.node if step >= f.after_step}
+        active = [f for f in self.node if step >= f.after_step]
+        for f in active:
+            if pin_name(f) in self.to_pin:
+                self._pin(f, step)
+        return {f.effect for f in active}
+
+    def _pin(self, fault: NodeFault, step: int) -> None:
+        """Record this node as the `job_node` fault's node (first writer wins, atomically)."""
+        self.to_pin.discard(pin_name(fault))
+        if self.marker_dir is None:
+            return
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        final = self.marker_dir / pin_name(fault)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.tmp")
+        tmp.write_text(self.this_node)
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            return  # another rank of this node pinned it first
+        finally:
+            tmp.unlink()
+        sys.stderr.write(
+            f'{{"event": "node_fault_pinned", "node": "{self.this_node}", '
+            f'"job_node": {fault.job_node}, "effect": "{fault.effect}", "step": {step}}}\n'
+        )
+        sys.stderr.flush()
 
     def slow_factor(self) -> float:
         return max((f.slow_factor for f in self.node if f.effect == "slow"), default=1.0)
@@ -126,6 +175,22 @@ def truncate_largest(ckpt: Path) -> Path | None:
     with victim.open("r+b") as fh:
         fh.truncate(victim.stat().st_size // 2)
     return victim
+
+
+def pin_name(fault: NodeFault) -> str:
+    """The marker file that pins a `job_node` fault to the node it first struck."""
+    device = "" if fault.local_rank is None else f"-device{fault.local_rank}"
+    return f"node-job{fault.job_node}-{fault.effect}-after{fault.after_step}{device}.pin"
+
+
+def pinned_node(checkpoint_dir: Path, fault: NodeFault) -> str | None:
+    """The node a `job_node` fault struck first (None: not yet, or a fault named by node)."""
+    if fault.job_node is None:
+        return None
+    try:
+        return (Path(checkpoint_dir) / ".faults" / pin_name(fault)).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _crash_marker(fault: CrashFault) -> str:

@@ -295,7 +295,9 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     stream = TokenStream(_data_prefix(spec), spec.model.seq_length)
     model, config = _build_model(spec, bf16)
     optimizer = _build_optimizer(spec, model, bf16)
-    faults = Faults.for_process(spec, ctx.node, rank, ctx.checkpoint_dir, local_rank)
+    nodes = _job_nodes(ctx.node)
+    node_index = nodes.index(ctx.node)
+    faults = Faults.for_process(spec, ctx.node, rank, ctx.checkpoint_dir, local_rank, nodes)
     current = [0]  # the step being computed, for the NaN-grad hook
     # Every rank checks whether its own gradients were finite before reduction (after it,
     # every rank holds the NaN, and only this tells where it was made); the step's all-reduce
@@ -344,8 +346,6 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     last_loss = math.nan
     exit_code = exitcodes.OK
     target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
-    nodes = _job_nodes(ctx.node)
-    node_index = nodes.index(ctx.node)
     log("train_start", step=step, cursor=cursor, target=target, layout=layout, cpu=CPU, nodes=nodes)
 
     while step < target:

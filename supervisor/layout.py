@@ -369,8 +369,14 @@ def _other_problems(spec: RunSpec) -> list[Problem]:
                     "warning",
                 )
             )
-        elif fault.kind == "node" and fault.node in r.exclude:
+        elif fault.kind == "node" and fault.node is not None and fault.node in r.exclude:
             out.append(
                 Problem(f"{where}.node", f"node {fault.node} is already excluded", "warning")
+            )
+        elif fault.kind == "node" and fault.job_node is not None and fault.job_node >= r.nodes:
+            out.append(
+                Problem(
+                    f"{where}.job_node", f"job_node {fault.job_node} ≥ the job's {r.nodes} nodes"
+                )
             )
     return out

@@ -205,10 +205,20 @@ class PoisonDataFault(_Strict):
 
 
 class NodeFault(_Strict):
-    """A sick node (by SLURM node name or hostname): recurs until the node is excluded."""
+    """A sick node: recurs until the node is excluded.
+
+    Named (`node`, a SLURM node name or hostname), or by its place in the job (`job_node`):
+    then it is the node that holds that place when the fault first strikes, and stays that
+    node on every later attempt wherever the job lands (a test need not guess placement).
+    """
 
     kind: Literal["node"] = "node"
-    node: str
+    node: str | None = None
+    job_node: NonNegativeInt | None = Field(
+        default=None,
+        description="The job's Nth node (rank order) at the first strike; the node is then "
+        "pinned for later attempts. Exactly one of node / job_node.",
+    )
     effect: Literal["nan_grads", "hang", "slow", "crash"]
     after_step: NonNegativeInt = 0
     slow_factor: float = Field(default=3.0, gt=1)
@@ -216,6 +226,12 @@ class NodeFault(_Strict):
         default=None,
         description="Only this device of the node (one bad GPU); every device when unset.",
     )
+
+    @model_validator(mode="after")
+    def _one_node(self) -> NodeFault:
+        if (self.node is None) == (self.job_node is None):
+            raise ValueError("give exactly one of node (a node name) or job_node (a place)")
+        return self
 
 
 class CrashFault(_Strict):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.soak.driver import SystemRun, drive, end_time
+from benchmarks.soak.driver import SystemRun, drive, end_time, with_struck_nodes
 from benchmarks.soak.faults import Injector, JobView
 from benchmarks.soak.progress import LogFollower
 from benchmarks.soak.schedule import Schedule
@@ -147,6 +147,7 @@ def run_baseline(
             say,
             stall_s=STALL_S,
         )
+        injections = with_struck_nodes(injections, work / "checkpoints")
     finally:
         subprocess.run(
             ["scancel", job_id], env={**os.environ, **cluster.env}, capture_output=True, timeout=30

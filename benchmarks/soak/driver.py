@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from benchmarks.soak.faults import Injector, JobView
 from benchmarks.soak.progress import LogFollower, Progress
-from benchmarks.soak.schedule import FaultKind, ScheduledFault
+from benchmarks.soak.schedule import NODE_FAULTS, FaultKind, ScheduledFault, spec_fault
 from benchmarks.soak.score import Injection, Remedy
+from megatron_runs.faults import pinned_node
+from supervisor.spec import NodeFault
 
 POLL_S = 0.5
 MIN_GAP_S = 30.0
@@ -154,3 +157,14 @@ def drive(
         say(label)
     done.extend(Injection(f, None, "not reached") for f in pending)
     return done, state
+
+
+def with_struck_nodes(injections: Sequence[Injection], checkpoint_dir: Path) -> list[Injection]:
+    """A spec-side node fault names a place in the job: the node it struck is the one the
+    training program pinned beside the checkpoints (None: it never struck)."""
+    return [
+        replace(inj, node=pinned_node(checkpoint_dir, NodeFault(**spec_fault(inj.fault))))
+        if inj.fault.spec_side and inj.fault.kind in NODE_FAULTS
+        else inj
+        for inj in injections
+    ]

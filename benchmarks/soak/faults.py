@@ -150,7 +150,7 @@ class Injector:
                 note = self._corrupt(job.checkpoint_dir, p["checkpoint_step"]) + "; "
             return note + self._kill_rank(job, int(p["rank"]))
         if kind is FaultKind.NODE_DEATH:
-            return self._node_death(job, p["node"])
+            return self._node_death(job, int(p["job_node"]))
         if kind is FaultKind.PREEMPTION:
             return self._preempt(job)
         if kind is FaultKind.WALLTIME:
@@ -187,14 +187,14 @@ class Injector:
         drift = "" if step == expected else f" (scheduled {expected})"
         return f"truncated {victim.name if victim else '-'} of step {step}{drift}"
 
-    def _node_death(self, job: JobView, node: str) -> str:
-        note = ""
-        if job.nodes and node not in job.nodes:
-            note = f" (scheduled {node}, not in the job)"
-            node = job.nodes[-1]
+    def _node_death(self, job: JobView, slot: int) -> str:
+        """Freeze the node in the job's place `slot` (the last one in a smaller job)."""
+        if not job.nodes:
+            return "no job to kill a node of"
+        node = job.nodes[min(slot, len(job.nodes) - 1)]
         self.cluster.kill_node(node)
         self.dead_nodes.append(node)
-        return f"froze {node}{note}"
+        return f"froze {node} (job node {slot})"
 
     def _preempt(self, job: JobView) -> str:
         """A preemption as SLURM does it: TERM to the job's tasks, a kill after the grace time

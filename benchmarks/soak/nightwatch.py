@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
-from benchmarks.soak.driver import SystemRun, drive, end_time
+from benchmarks.soak.driver import SystemRun, drive, end_time, with_struck_nodes
 from benchmarks.soak.faults import Injector, JobView, slurm
 from benchmarks.soak.progress import LogFollower
 from benchmarks.soak.schedule import Schedule
@@ -97,6 +97,7 @@ def run_nightwatch(
         injections, state = drive(
             faults, follower, current_job, finished, injector, submit_t + budget_s, say
         )
+        injections = with_struck_nodes(injections, run_dir / "checkpoints")
         if state != "succeeded":
             # An escalated run keeps its job; the next system must have the cluster to itself.
             api.client.post(f"/v1/runs/{run_id}/cancel")

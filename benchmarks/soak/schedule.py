@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -157,7 +157,7 @@ def spec_fault(fault: ScheduledFault) -> dict[str, Any]:
         raise ValueError(f"{fault.kind} is not a spec-side fault")
     out: dict[str, Any] = {
         "kind": "node",
-        "node": p["node"],
+        "job_node": p["job_node"],
         "effect": effect[fault.kind],
         "after_step": fault.at_step,
     }
@@ -187,14 +187,6 @@ def slots(shape: SoakShape, count: int) -> list[tuple[int, int]]:
     return [(lo + i * width, lo + (i + 1) * width) for i in range(count)]
 
 
-def predicted_placement(nodes: Sequence[str], gone: Iterable[str], job_nodes: int) -> list[str]:
-    """Where SLURM should put the next job: the first free nodes in order (the devcluster's
-    nodes are identical, so the scheduler takes the lowest-numbered idle ones). A guess: a job
-    resubmitted while the old one's nodes are still completing lands on spare nodes instead."""
-    out = [n for n in nodes if n not in set(gone)]
-    return out[:job_nodes]
-
-
 def draw(seed: int, shape: SoakShape, kinds: Sequence[FaultKind]) -> Schedule:
     """The schedule for `seed`: kinds in a seeded order, one per slot, seeded parameters."""
     rng = random.Random(seed)
@@ -206,27 +198,27 @@ def draw(seed: int, shape: SoakShape, kinds: Sequence[FaultKind]) -> Schedule:
             f"{node_faults} node faults leave fewer than {shape.job_nodes} of "
             f"{len(shape.nodes)} nodes for the job"
         )
-    gone: list[str] = []
     faults: list[ScheduledFault] = []
     for kind, (lo, hi) in zip(order, slots(shape, len(order)), strict=True):
         # Early in the slot, so the recovery fits in what is left of it.
         at = rng.randrange(lo + 1, lo + max(2, (hi - lo) // 3))
-        params = _params(kind, at, shape, rng, gone)
+        params = _params(kind, at, shape, rng)
         if kind is FaultKind.CORRUPT_CHECKPOINT:
             at = params.pop("at_step")
         faults.append(ScheduledFault(kind, at, params))
     return Schedule(seed, shape, tuple(sorted(faults, key=lambda f: f.at_step)))
 
 
-def _params(
-    kind: FaultKind, at: int, shape: SoakShape, rng: random.Random, gone: list[str]
-) -> dict[str, Any]:
+def _params(kind: FaultKind, at: int, shape: SoakShape, rng: random.Random) -> dict[str, Any]:
     if kind in NODE_FAULTS:
-        node = rng.choice(predicted_placement(shape.nodes, gone, shape.job_nodes))
-        gone.append(node)
+        # A place in the job, not a node name: where SLURM puts a restarted job is not
+        # predictable (a node still completing the last job is passed over), and a fault
+        # named for a node the job never lands on never strikes. The node is pinned where
+        # it first strikes (`megatron_runs.faults.pin_name`; the driver for a node death).
+        slot = rng.randrange(shape.job_nodes)
         if kind is FaultKind.STRAGGLER:
-            return {"node": node, "slow_factor": round(rng.uniform(2.5, 4.0), 2)}
-        return {"node": node}
+            return {"job_node": slot, "slow_factor": round(rng.uniform(2.5, 4.0), 2)}
+        return {"job_node": slot}
     if kind is FaultKind.POISON_DATA:
         # A spike must last the detector's sustain window (RecoverySpec.loss_spike_sustain_steps,
         # 3 by default) to be one by definition; NaN is caught at the first step.

@@ -3,7 +3,7 @@
 Definitions (the same for Nightwatch and the baseline):
 - fault time: when the driver injected an external fault; for a spec-side fault, when the
   faulty step began (the first time training completed step `at_step - 1`; for a node fault,
-  the first time a process group on that node did: only there does it strike).
+  the first time a process group on the node it struck did: only there does it strike).
 - a fault's window runs from its time to the next fault's time (faults are spaced so that
   each recovery happens inside its own window); remedies in the window belong to the fault.
 - detected: some remedy was taken in the window; detection latency: first remedy − fault time.
@@ -42,7 +42,7 @@ from benchmarks.soak.progress import (
     mean_loss,
     time_to_step,
 )
-from benchmarks.soak.schedule import CURES, INFRA_FAULTS, FaultKind, ScheduledFault
+from benchmarks.soak.schedule import CURES, INFRA_FAULTS, NODE_FAULTS, FaultKind, ScheduledFault
 
 #: The final loss is the mean over this share of the run (at least `MIN_LOSS_WINDOW` steps).
 #: With a global batch of 8 sequences one step's loss varies by ≈ 17 % (seed-7 reference,
@@ -74,11 +74,7 @@ class Injection:
     fault: ScheduledFault
     t: float | None
     note: str = ""
-    node: str | None = None  # the node it hit, where the injector chose another than scheduled
-
-    @property
-    def faulty_node(self) -> str | None:
-        return self.node or self.fault.params.get("node")
+    node: str | None = None  # the node a node fault hit (its schedule names a place in the job)
 
 
 @dataclass(frozen=True)
@@ -126,18 +122,20 @@ class SystemScore:
 def fault_time(inj: Injection, progress: Progress) -> float | None:
     """External faults: injection time; spec-side faults: start of the faulty step.
 
-    A node fault is armed from its step on but fires only where a job runs on that node (a
-    restart may well land elsewhere first). A NaN node's time is the start of the first step
-    at or past it whose update the trainer threw away; a hang's or a straggler's, the start of
-    the first such step that a process group on the node began."""
+    A node fault strikes the node that holds its place in the job when training first reaches
+    its step; the training program pins that node (`Injection.node`; None: it never struck).
+    A NaN node's time is the start of the first step at or past it whose update the trainer
+    threw away; a hang's or a straggler's, the start of the first such step that a process
+    group on the pinned node began (a later restart may land elsewhere first)."""
     if not inj.fault.spec_side:
         return inj.t
+    if inj.fault.kind in NODE_FAULTS and inj.node is None:
+        return None  # no node was pinned: it never struck
     if inj.fault.kind is FaultKind.NAN_NODE:
         first = next((e for e in progress.steps if e.step >= inj.fault.at_step and e.bad), None)
         return _step_start(progress, first) if first is not None else None
-    node = inj.faulty_node
-    if node is not None and any(s.nodes for s in progress.starts):
-        return _first_step_on(progress, node, inj.fault.at_step)
+    if inj.node is not None:
+        return _first_step_on(progress, inj.node, inj.fault.at_step)
     before = progress.first_reaching(max(0, inj.fault.at_step - 1))
     return before.t if before is not None else None
 
@@ -224,7 +222,7 @@ def score_fault(
 
 def _right_node(inj: Injection, cure: Remedy | None) -> bool:
     """An exclusion cures a node fault only when it names the faulty node."""
-    node = inj.faulty_node
+    node = inj.node
     return cure is None or cure.kind != "exclude_node" or node is None or node in cure.nodes
 
 

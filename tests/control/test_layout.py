@@ -125,6 +125,18 @@ def test_crash_fault_on_a_rank_outside_the_world_is_rejected() -> None:
     assert "rank 4 ≥ world size 4" in errors_of(RunSpec.model_validate(data))["faults[0].rank"]
 
 
+def test_node_fault_names_one_node_or_one_place_in_the_job() -> None:
+    data = RunSpec.from_file(EXAMPLES / "tiny-cpu.yaml").model_dump()
+    nodes = data["resources"]["nodes"]
+    data["faults"] = [{"kind": "node", "job_node": nodes, "effect": "hang"}]
+    errs = errors_of(RunSpec.model_validate(data))["faults[0].job_node"]
+    assert f"job_node {nodes} ≥ the job's {nodes} nodes" in errs
+    for both_or_neither in ({"node": "n1", "job_node": 0}, {}):
+        data["faults"] = [{"kind": "node", "effect": "hang", **both_or_neither}]
+        with pytest.raises(ValidationError, match="exactly one of node"):
+            RunSpec.model_validate(data)
+
+
 def test_unknown_keys_and_absurd_numbers_are_rejected_by_the_schema() -> None:
     data = RunSpec.from_file(EXAMPLES / "tiny-cpu.yaml").model_dump()
     with pytest.raises(ValidationError, match="num_layerz"):

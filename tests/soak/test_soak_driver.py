@@ -8,7 +8,10 @@ from pathlib import Path
 from benchmarks.soak import driver
 from benchmarks.soak.faults import FollowUp, JobView
 from benchmarks.soak.progress import LogFollower
-from benchmarks.soak.schedule import FaultKind, ScheduledFault
+from benchmarks.soak.schedule import FaultKind, ScheduledFault, spec_fault
+from benchmarks.soak.score import Injection
+from megatron_runs.faults import Faults
+from supervisor.spec import RunSpec
 
 
 class Recorder:
@@ -66,7 +69,7 @@ def test_spec_faults_are_armed_and_external_faults_wait_their_gap(
     faults = [
         ScheduledFault(FaultKind.POISON_DATA, 10, {}),
         ScheduledFault(FaultKind.RANK_CRASH, 12, {"rank": 0}),
-        ScheduledFault(FaultKind.NODE_DEATH, 40, {"node": "n1"}),
+        ScheduledFault(FaultKind.NODE_DEATH, 40, {"job_node": 0}),
         ScheduledFault(FaultKind.PREEMPTION, 99, {}),
     ]
     rec, injections, state = drive_scripted(tmp_path, monkeypatch, faults)
@@ -87,7 +90,7 @@ def test_a_delayed_external_fault_waits_behind_a_spec_fault_due_within_the_gap(
     windows. The external fault now goes after the spec-side one, a gap later."""
     faults = [
         ScheduledFault(FaultKind.SUPERVISOR_KILL, 20, {}),
-        ScheduledFault(FaultKind.HANG, 45, {"node": "n2"}),
+        ScheduledFault(FaultKind.HANG, 45, {"job_node": 1}),
         ScheduledFault(FaultKind.RANK_CRASH, 48, {"rank": 0}),
     ]
     rec, injections, _ = drive_scripted(tmp_path, monkeypatch, faults)
@@ -101,12 +104,12 @@ def test_only_a_fault_held_back_past_half_its_distance_gives_way() -> None:
     only seconds of training away; the seed-7 kill scheduled at 473, held back to 837, gives
     way to the hang at 838."""
     crash = ScheduledFault(FaultKind.RANK_CRASH, 27, {"rank": 3})
-    nan = ScheduledFault(FaultKind.NAN_NODE, 71, {"node": "n1"})
+    nan = ScheduledFault(FaultKind.NAN_NODE, 71, {"job_node": 0})
     assert driver._gives_way_to([crash, nan], 27) is None
     assert driver._gives_way_to([crash, nan], 48) is None
     assert driver._gives_way_to([crash, nan], 50) == nan
     kill = ScheduledFault(FaultKind.SUPERVISOR_KILL, 473, {})
-    hang = ScheduledFault(FaultKind.HANG, 838, {"node": "n2"})
+    hang = ScheduledFault(FaultKind.HANG, 838, {"job_node": 1})
     assert driver._gives_way_to([kill, hang], 837) == hang
     assert driver._gives_way_to([kill, ScheduledFault(FaultKind.PREEMPTION, 838)], 837) is None
 
@@ -142,3 +145,23 @@ def test_a_run_that_stops_stepping_ends_stalled_only_when_nothing_can_move_it(
     assert not driver.is_stalled(moved_t=1000, now=1290, deadline=1900, stall_s=300)
     # a stuck rank would time out at 1000 + 1800, before this deadline: keep waiting
     assert not driver.is_stalled(moved_t=1000, now=1300, deadline=3000, stall_s=300)
+
+
+def test_a_spec_side_node_fault_is_scored_on_the_node_the_trainer_pinned(tmp_path: Path) -> None:
+    hang = ScheduledFault(FaultKind.HANG, 45, {"job_node": 1})
+    nan = ScheduledFault(FaultKind.NAN_NODE, 90, {"job_node": 0})
+    crash = ScheduledFault(FaultKind.RANK_CRASH, 48, {"rank": 0})
+    done = [Injection(f, None, "armed in spec") for f in (hang, nan)] + [Injection(crash, 5.0)]
+    spec = RunSpec.model_validate(
+        {
+            "name": "pin",
+            "model": {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2,
+                      "seq_length": 16, "vocab_size": 64},
+            "training": {"train_steps": 100},
+            "faults": [spec_fault(hang)],
+        }
+    )  # fmt: skip
+    Faults.for_process(spec, "n5", 0, tmp_path, job_nodes=("n4", "n5")).node_effects(45)
+    struck = driver.with_struck_nodes(done, tmp_path)
+    assert [i.node for i in struck] == ["n5", None, None]  # the NaN node never struck
+    assert struck[2] == done[2]

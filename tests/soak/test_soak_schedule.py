@@ -16,7 +16,6 @@ from benchmarks.soak.schedule import (
     draw,
     first_fault_step,
     parse_kinds,
-    predicted_placement,
 )
 from supervisor.spec import RunSpec
 
@@ -75,14 +74,15 @@ def test_spec_faults_validate_against_the_run_spec() -> None:
     assert not any(f.spec_side for f in s.faults if f.kind is FaultKind.NODE_DEATH)
 
 
-def test_node_faults_hit_the_nodes_the_job_will_be_on() -> None:
-    s = draw(9, SHAPE, ALL)
-    gone: list[str] = []
-    for f in s.faults:
-        if f.kind in NODE_FAULTS:
-            assert f.params["node"] in predicted_placement(SHAPE.nodes, gone, 2)
-            gone.append(f.params["node"])
-    assert len(set(gone)) == 4
+def test_node_faults_name_a_place_in_the_job_not_a_node() -> None:
+    """Where SLURM puts a restarted job is not predictable: a fault names a job slot, and the
+    training program (spec-side) or the driver (node death) finds the node there."""
+    for seed in range(10):
+        places = [f.params for f in draw(seed, SHAPE, ALL).faults if f.kind in NODE_FAULTS]
+        assert len(places) == 4
+        assert all("node" not in p and 0 <= p["job_node"] < SHAPE.job_nodes for p in places)
+    spec_side = [f for f in draw(9, SHAPE, ALL).spec_faults() if f["kind"] == "node"]
+    assert spec_side and all("node" not in f and "job_node" in f for f in spec_side)
 
 
 def test_too_few_nodes_or_steps_is_refused_with_numbers() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -119,7 +120,7 @@ def test_baseline_that_never_restarts_is_not_detected_and_keeps_bad_steps() -> N
 
 def test_infra_fault_right_action_is_no_remedy_and_untriggered_is_reported() -> None:
     prom = Injection(ScheduledFault(FaultKind.PROMETHEUS_RESTART, 30, {"down_s": 10}), 30.5)
-    never = Injection(ScheduledFault(FaultKind.NODE_DEATH, 500, {"node": "n2"}), None)
+    never = Injection(ScheduledFault(FaultKind.NODE_DEATH, 500, {"job_node": 1}), None)
     s = score_system(
         "nightwatch", injections=[prom, never], progress=REF,
         remedies=[Remedy(35.0, "restart")], escalations=0, submit_t=0.0, end_t=101.0,
@@ -139,7 +140,7 @@ def test_nan_node_fault_counts_from_when_the_job_first_ran_on_the_node() -> None
     for i, e in enumerate(p.steps):
         if e.incarnation == "2/2" and e.step in (61, 62):
             p.steps[i] = StepEvent(e.t, e.step, e.loss, e.incarnation, skipped_update=True)
-    nan = Injection(ScheduledFault(FaultKind.NAN_NODE, 30, {"node": "n1"}), None)
+    nan = Injection(ScheduledFault(FaultKind.NAN_NODE, 30, {"job_node": 0}), None, node="n1")
 
     def scored(excluded: tuple[str, ...]) -> SystemScore:
         return score_system(
@@ -159,6 +160,13 @@ def test_nan_node_fault_counts_from_when_the_job_first_ran_on_the_node() -> None
         submit_t=0.0, end_t=101.0, target_steps=100, reference=REF, reference_submit_t=0.0,
     )  # fmt: skip
     assert not clean.faults[0].triggered
+    # No node pinned: the fault never struck, whatever else threw updates away.
+    unpinned = score_system(
+        "nightwatch", injections=[replace(nan, node=None)], progress=p, remedies=[],
+        escalations=0, submit_t=0.0, end_t=200.0, target_steps=100, reference=REF,
+        reference_submit_t=0.0,
+    )  # fmt: skip
+    assert not unpinned.faults[0].triggered
 
 
 def _place(p: Progress, placed: dict[str, tuple[str, ...]]) -> None:
@@ -175,7 +183,7 @@ def test_straggler_counts_from_the_first_job_on_its_node_not_from_its_arming_ste
     that recovers the poison is also the one the straggler slows."""
     p = run([(0, 0, 60, "1/1"), (120, 40, 70, "2/2"), (160, 60, 100, "3/3")])
     _place(p, {"1/1": ("n2", "n3"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")})
-    slow = Injection(ScheduledFault(FaultKind.STRAGGLER, 30, {"node": "n1"}), None)
+    slow = Injection(ScheduledFault(FaultKind.STRAGGLER, 30, {"job_node": 0}), None, node="n1")
     s = score_system(
         "nightwatch", injections=[slow, POISON], progress=p,
         remedies=[Remedy(52.0, "rollback"), Remedy(150.0, "exclude_node", ("n1",))],
@@ -198,7 +206,7 @@ def test_a_fault_whose_cure_lands_on_the_next_fault_recovers_with_the_cure_after
         if e.incarnation == "2/2":
             p.steps[i] = StepEvent(e.t, e.step, e.loss, e.incarnation, skipped_update=True)
     _place(p, {"1/1": ("n2", "n3"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")})
-    nan = Injection(ScheduledFault(FaultKind.NAN_NODE, 30, {"node": "n1"}), None)
+    nan = Injection(ScheduledFault(FaultKind.NAN_NODE, 30, {"job_node": 0}), None, node="n1")
     s = score_system(
         "nightwatch", injections=[POISON, nan], progress=p,
         remedies=[Remedy(52.0, "rollback"), Remedy(60.0, "exclude_node", ("n1",))],

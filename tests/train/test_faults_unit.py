@@ -6,7 +6,7 @@ from pathlib import Path
 
 from train_helpers import spec_dict
 
-from megatron_runs.faults import Faults
+from megatron_runs.faults import Faults, pin_name, pinned_node
 from supervisor.spec import RunSpec
 
 FAULTS = [
@@ -86,3 +86,42 @@ def test_a_device_fault_strikes_only_its_local_rank(tmp_path: Path) -> None:
     devices = [Faults.for_process(spec, "n2", 4 + i, tmp_path, local_rank=i) for i in range(3)]
     assert [f.nan_grads(1) for f in devices] == [False, True, False]
     assert not Faults.for_process(spec, "n1", 1, tmp_path, local_rank=1).nan_grads(1)
+
+
+def _placed(node: str, ckpt: Path, job_nodes: tuple[str, ...]) -> Faults:
+    spec = RunSpec.model_validate(
+        spec_dict("f", faults=[{"kind": "node", "job_node": 1, "effect": "hang", "after_step": 5}])
+    )
+    return Faults.for_process(spec, node, 0, ckpt, job_nodes=job_nodes)
+
+
+def test_a_job_node_fault_is_pinned_where_it_first_strikes(tmp_path: Path) -> None:
+    """Named by its place in the job: the job's second node at the first strike, and that
+    node on every later attempt, wherever the job lands (a soak need not guess placement)."""
+    first = ("n4", "n5")
+    assert not _placed("n4", tmp_path, first).node
+    sick = _placed("n5", tmp_path, first)
+    assert sick.node and pinned_node(tmp_path, sick.node[0]) is None
+    assert sick.node_effects(4) == set()  # not struck yet: nothing pinned, a restart may move it
+    assert pinned_node(tmp_path, sick.node[0]) is None
+    assert sick.node_effects(5) == {"hang"}
+    assert pinned_node(tmp_path, sick.node[0]) == "n5"
+    # The next attempt runs on n2, n5: n5 is sick wherever it stands, n2 not.
+    assert _placed("n5", tmp_path, ("n5", "n2")).node_effects(9) == {"hang"}
+    assert not _placed("n2", tmp_path, ("n5", "n2")).node
+    assert not list((tmp_path / ".faults").glob("*.tmp"))
+
+
+def test_the_first_rank_to_strike_pins_and_the_others_keep_it(tmp_path: Path) -> None:
+    a, b = _placed("n5", tmp_path, ("n4", "n5")), _placed("n5", tmp_path, ("n4", "n5"))
+    a.node_effects(5)
+    (tmp_path / ".faults" / pin_name(a.node[0])).write_text("n5\n")
+    b.node_effects(6)  # a second rank of the node: the pin stands
+    assert pinned_node(tmp_path, b.node[0]) == "n5"
+    assert not b.to_pin and not a.to_pin
+
+
+def test_a_named_node_fault_has_no_pin(tmp_path: Path) -> None:
+    f = _faults("n2", tmp_path)
+    f.node_effects(10)
+    assert not (tmp_path / ".faults").exists()
