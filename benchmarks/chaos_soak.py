@@ -358,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         "scores": [s.to_dict() for s in scores],
         "final_states": {k: r.final_state for k, r in runs.items()},
         "injections": {
-            k: [{"kind": i.fault.kind.value, "t": i.t, "note": i.note} for i in r.injections]
+            k: [
+                {"kind": i.fault.kind.value, "t": i.t, "note": i.note, "node": i.node}
+                for i in r.injections
+            ]
             for k, r in runs.items()
         },
         "extra": {k: r.extra for k, r in runs.items()},
