@@ -15,6 +15,7 @@ Each fault is tied to its cause, so only the right remedy cures it:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -103,9 +104,10 @@ class Faults:
 
     def node_effects(self, step: int) -> set[str]:
         active = [f for f in self.node if step >= f.after_step]
-        for f in active:
-            if pin_name(f) in self.to_pin:
-                self._pin(f, step)
+        if self.to_pin:  # only until the first strike: not a string per fault on every step
+            for f in active:
+                if pin_name(f) in self.to_pin:
+                    self._pin(f, step)
         return {f.effect for f in active}
 
     def _pin(self, fault: NodeFault, step: int) -> None:
@@ -123,10 +125,8 @@ class Faults:
             return  # another rank of this node pinned it first
         finally:
             tmp.unlink()
-        sys.stderr.write(
-            f'{{"event": "node_fault_pinned", "node": "{self.this_node}", '
-            f'"job_node": {fault.job_node}, "effect": "{fault.effect}", "step": {step}}}\n'
-        )
+        pinned = {"event": "node_fault_pinned", "node": self.this_node, "job_node": fault.job_node}
+        sys.stderr.write(json.dumps({**pinned, "effect": fault.effect, "step": step}) + "\n")
         sys.stderr.flush()
 
     def slow_factor(self) -> float:
