@@ -105,6 +105,7 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
             "distributed_optimizer": mode.distributed_optimizer,
         },
         "resources": {
+            "device": "cpu",
             "nodes": JOB_NODES,
             "gpus_per_node": PER_NODE,
             "cpus_per_task": 1,

@@ -52,7 +52,7 @@ SPEC = {
         "seq_length": 32,
         "vocab_size": 256,
     },
-    "resources": {"nodes": 2, "gpus_per_node": 1},
+    "resources": {"device": "cpu", "nodes": 2, "gpus_per_node": 1},
     "parallelism": {"data": 2},
     "training": {"train_steps": 1_000_000, "global_batch_size": 8},
 }

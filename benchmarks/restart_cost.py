@@ -45,7 +45,10 @@ def spec(ranks: int, gpus: bool, data: dict[str, str], steps: int) -> RunSpec:
                 "vocab_size": 4096, "precision": "bf16" if gpus else "fp32",
             },
             "parallelism": {"tensor": 1, "pipeline": pipeline, "data": ranks // pipeline},
-            "resources": {"nodes": 1, "gpus_per_node": ranks, "cpus_per_task": 1},
+            "resources": {
+                "device": "gpu" if gpus else "cpu", "nodes": 1, "gpus_per_node": ranks,
+                "cpus_per_task": 1,
+            },
             "training": {
                 "train_steps": steps, "micro_batch_size": 2, "global_batch_size": 4 * ranks,
                 "lr": 1.0e-3, "min_lr": 1.0e-4, "lr_warmup_steps": 2,
@@ -63,7 +66,7 @@ def one_job(
     if way == "task_per_rank":
         ranks = request.ranks_per_task
         request = replace(request, tasks_per_node=ranks, ranks_per_task=1, cpus_per_task=1)
-        task = replace(task, ranks_per_task=1)
+        task = replace(task, ranks_per_task=1, gpus_required=min(task.gpus_required, 1))
     t0 = time.time()
     sub = cluster.submit(request, task)
     done = wait_for(cluster, sub.job_id, lambda s: s.state.terminal, timeout_s=timeout_s)

@@ -17,3 +17,7 @@ REQUEUE = 75
 
 INJECTED_CRASH = 76
 """Crash injected by the spec's `faults` section (one-shot `crash` or node `crash`)."""
+
+NO_GPU = 78
+"""A GPU run's rank found fewer GPUs than the job was given (EX_CONFIG): a node or
+configuration fault that a restart on the same request cannot cure."""

@@ -21,6 +21,17 @@ EXIT_INJECTED_CRASH = 76
 
 
 @dataclass(frozen=True)
+class NodeSetup:
+    """How a job starts on its compute nodes, which need not share the supervisor's paths:
+    the interpreter that runs the task and shell lines run before it (`module load`, a venv's
+    activate, a container launcher). Server settings, never a spec: they run as the
+    supervisor's user. The local executor ignores them (it runs this host's interpreter)."""
+
+    python: str | None = None
+    setup: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SubmitPlan:
     """One attempt of one run, as the reconciler decided it."""
 
@@ -36,7 +47,7 @@ class SubmitPlan:
     worker_token: str | None = None
     stop_at_step: int | None = None
     metrics: bool = True
-    gpus: bool = False
+    node_setup: NodeSetup = field(default_factory=NodeSetup)
     requeue: bool = False
     signal_delay_s: int = 90
     entry: str = "megatron_runs.train"
@@ -64,6 +75,10 @@ def job_env(plan: SubmitPlan) -> dict[str, str]:
         env["NIGHTWATCH_URL"] = plan.supervisor_url
     if plan.worker_token:
         env["NIGHTWATCH_WORKER_TOKEN"] = plan.worker_token
+    if plan.spec.resources.device == "cpu":
+        # A CPU run trains on CPU even on a GPU node: the training program takes CUDA when it
+        # sees any.
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return {**env, **plan.env}
 
 
@@ -80,7 +95,9 @@ def job_request(plan: SubmitPlan) -> JobRequest:
         tasks_per_node=1,
         ranks_per_task=res.gpus_per_node,
         cpus_per_task=res.cpus_per_task * res.gpus_per_node,
-        gpus_per_node=res.gpus_per_node if plan.gpus else None,
+        gpus_per_node=gpus_required(plan.spec) or None,
+        memory_gib=res.memory_gib,
+        exclusive=res.exclusive,
         time_limit_minutes=res.time_limit_minutes,
         partition=res.partition,
         account=res.account,
@@ -88,7 +105,15 @@ def job_request(plan: SubmitPlan) -> JobRequest:
         exclude=exclude,
         signal_delay_s=plan.signal_delay_s,
         requeue=plan.requeue,
+        python=plan.node_setup.python,
+        setup=plan.node_setup.setup,
     )
+
+
+def gpus_required(spec: RunSpec) -> int:
+    """GPUs each node of the job must have: the spec's, on a GPU run; none on a CPU run."""
+    res = spec.resources
+    return res.gpus_per_node if res.device == "gpu" else 0
 
 
 def training_task(plan: SubmitPlan) -> TrainingTask:
@@ -105,6 +130,7 @@ def training_task(plan: SubmitPlan) -> TrainingTask:
         entry=plan.entry,
         env=tuple(sorted(job_env(plan).items())),
         ranks_per_task=plan.spec.resources.gpus_per_node,
+        gpus_required=gpus_required(plan.spec),
     )
 
 

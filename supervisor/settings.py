@@ -41,6 +41,14 @@ class Settings(BaseModel):
     workers: int = Field(
         default=1, ge=1, le=64, description="API processes (the reconciler runs once, beside)."
     )
+    job_python: str | None = Field(
+        default=None,
+        description="Interpreter of the jobs on the compute nodes; None: the supervisor's own.",
+    )
+    job_setup: tuple[str, ...] = Field(
+        default=(),
+        description="Shell lines each SLURM job runs before its task (module load, activate).",
+    )
 
     @property
     def db_url(self) -> str:
@@ -65,6 +73,12 @@ class Settings(BaseModel):
             "port": "NIGHTWATCH_PORT",
             "token_cache_seconds": "NIGHTWATCH_TOKEN_CACHE_SECONDS",
             "workers": "NIGHTWATCH_WORKERS",
+            "job_python": "NIGHTWATCH_JOB_PYTHON",
         }
-        values = {field: env[var] for field, var in names.items() if env.get(var)}
+        values: dict[str, object] = {
+            field: env[var] for field, var in names.items() if env.get(var)
+        }
+        if env.get("NIGHTWATCH_JOB_SETUP"):
+            # One shell line per line of the variable.
+            values["job_setup"] = tuple(env["NIGHTWATCH_JOB_SETUP"].splitlines())
         return cls.model_validate(values)

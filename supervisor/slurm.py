@@ -139,6 +139,8 @@ class JobRequest:
     tasks_per_node: int
     cpus_per_task: int = 1
     gpus_per_node: int | None = None
+    memory_gib: int | None = None
+    exclusive: bool = False
     time_limit_minutes: int = 60
     partition: str | None = None
     account: str | None = None
@@ -149,6 +151,9 @@ class JobRequest:
     #: Ranks each task forks (`worker.ranks`): not SLURM's concern, but a job's exit codes
     #: are recorded per rank, and the local executor counts them.
     ranks_per_task: int = 1
+    #: Interpreter and shell lines the batch script runs the task with (`launcher.NodeSetup`).
+    python: str | None = None
+    setup: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -362,8 +367,7 @@ class SlurmCluster:
 
     def submit(self, request: JobRequest, fn: Callable[[], object]) -> Submission:
         request.log_dir.mkdir(parents=True, exist_ok=True)
-        executor = submitit.SlurmExecutor(folder=request.log_dir / "%j")
-        executor.update_parameters(**sbatch_parameters(request))
+        executor = slurm_executor(request)
         try:
             job = executor.submit(fn)
         except (subprocess.SubprocessError, OSError, submitit.core.utils.FailedJobError) as exc:
@@ -502,6 +506,21 @@ class SlurmCluster:
         return _log_files(log_dir, job_id)
 
 
+def slurm_executor(request: JobRequest) -> submitit.SlurmExecutor:
+    """The submitit executor of one request (no I/O until it submits)."""
+    executor = submitit.SlurmExecutor(folder=request.log_dir / "%j", python=request.python)
+    executor.update_parameters(**sbatch_parameters(request))
+    return executor
+
+
+def render_sbatch(request: JobRequest) -> str:
+    """The batch script sbatch would be given for this request, without submitting it."""
+    executor = slurm_executor(request)
+    # submitit has no public render; this is the text its `submit` writes and hands to sbatch
+    # (`%j` in the paths is sbatch's, filled in at submission).
+    return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
+
+
 def sbatch_parameters(request: JobRequest) -> dict[str, object]:
     """submitit SlurmExecutor parameters for a request (pure; tested without SLURM)."""
     params: dict[str, object] = {
@@ -516,6 +535,12 @@ def sbatch_parameters(request: JobRequest) -> dict[str, object]:
     }
     if request.gpus_per_node:
         params["gpus_per_node"] = request.gpus_per_node
+    if request.memory_gib:
+        params["mem"] = f"{request.memory_gib}G"
+    if request.exclusive:
+        params["exclusive"] = True
+    if request.setup:
+        params["setup"] = list(request.setup)
     for name in ("partition", "account", "qos"):
         value = getattr(request, name)
         if value:

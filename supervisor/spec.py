@@ -72,12 +72,27 @@ class ParallelismSpec(_Strict):
 
 
 class ResourcesSpec(_Strict):
-    """What to ask SLURM for. On CPU, gpus_per_node is the number of processes per node."""
+    """What to ask SLURM for.
 
+    `device` decides where the ranks train, never the supervisor's host: `gpu` (the default)
+    asks SLURM for `gpus_per_node` GPUs on every node and a rank that finds fewer stops at once
+    (exit 78); `cpu` trains on CPU ranks with gloo, `gpus_per_node` of them per node, and hides
+    any GPU the node has.
+    """
+
+    device: Literal["gpu", "cpu"] = "gpu"
     nodes: PositiveInt = 1
-    gpus_per_node: PositiveInt = 1
+    gpus_per_node: PositiveInt = Field(
+        default=1, description="GPUs per node (device gpu); ranks per node (device cpu)."
+    )
     gpu_memory_gib: float = Field(default=80.0, gt=0, le=1e6)
-    cpus_per_task: PositiveInt = 1
+    cpus_per_task: PositiveInt = Field(default=1, description="CPU cores per rank.")
+    memory_gib: PositiveInt | None = Field(
+        default=None,
+        le=1 << 20,
+        description="Host memory per node (sbatch --mem); None: the partition's default.",
+    )
+    exclusive: bool = Field(default=False, description="Whole nodes only (sbatch --exclusive).")
     partition: str | None = None
     account: str | None = None
     qos: str | None = None

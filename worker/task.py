@@ -26,6 +26,8 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
+from megatron_runs import exitcodes
+from worker.devices import missing_gpus
 from worker.env import TaskInfo, dist_env, node_name, rank_infos, task_info
 from worker.ranks import EXIT_REQUEUE, NODE_PROCESS_NAME, fork_ranks, name_process
 from worker.registration import Registrar
@@ -65,19 +67,29 @@ class TrainingTask:
     entry: str = "megatron_runs.train"
     env: tuple[tuple[str, str], ...] = ()
     ranks_per_task: int = 1
+    #: GPUs this task must see (one per rank on a GPU run, 0 on a CPU run).
+    gpus_required: int = 0
 
     def __call__(self) -> NoReturn:
         early = _EarlyStop()
         early.install()
         # The launcher's environment (docs/contracts.md), set before torch is imported.
         os.environ.update(dict(self.env))
-        ranks = rank_infos(task_info(), self.ranks_per_task)
-        if len(ranks) == 1:
-            _leave(self._rank(ranks[0], early))
         # torch.cuda.is_available() (cpu_compat calls it on import) asks the driver for its
         # devices unless told to ask NVML, and a CUDA driver touched before a fork fails in the
         # children: every forked rank on a GPU node would fail to select its device.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        ranks = rank_infos(task_info(), self.ranks_per_task)
+        missing = missing_gpus(self.gpus_required, node_name())
+        if missing is not None:
+            _configure_logging()
+            context = {"run_id": self.run_id, "attempt": self.attempt, "job_id": ranks[0].job_id}
+            log.error(missing, extra=context)
+            for info in ranks:
+                _record_exit(info, exitcodes.NO_GPU)
+            _leave(exitcodes.NO_GPU)
+        if len(ranks) == 1:
+            _leave(self._rank(ranks[0], early))
         code = 1
         try:
             _preload(self.entry)

@@ -13,7 +13,7 @@ TINY_SPEC: dict[str, Any] = {
         "precision": "fp32",
     },
     "parallelism": {"tensor": 2, "pipeline": 2, "data": 1, "distributed_optimizer": False},
-    "resources": {"nodes": 1, "gpus_per_node": 4, "time_limit_minutes": 30},
+    "resources": {"device": "cpu", "nodes": 1, "gpus_per_node": 4, "time_limit_minutes": 30},
     "training": {"train_steps": 120, "micro_batch_size": 2, "global_batch_size": 8},
     "checkpoint": {"interval_steps": 20, "keep_last": 3},
 }

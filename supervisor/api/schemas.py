@@ -137,6 +137,18 @@ class LayoutOut(BaseModel):
     parameters: int
     model_states_total_gb: float
     problems: list[ProblemOut]
+    sbatch: SbatchOut | None = Field(
+        default=None, description="With `?render=sbatch`: what the first attempt would submit."
+    )
+
+
+class SbatchOut(BaseModel):
+    """The first attempt's submission as the launcher would make it (nothing is submitted)."""
+
+    run_id: str = Field(description="A stand-in for the id the run will be given.")
+    parameters: dict[str, Any] = Field(description="submitit's sbatch parameters.")
+    script: str = Field(description="The batch script sbatch would be given.")
+    environment: dict[str, str] = Field(description="The job's environment (no secrets).")
 
 
 class Health(BaseModel):

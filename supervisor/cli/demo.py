@@ -47,7 +47,7 @@ def demo_spec(steps: int, prefix: str, tokenizer: str) -> dict[str, Any]:
             "precision": "fp32",
         },
         "parallelism": {"tensor": 2, "pipeline": 2, "data": 1, "distributed_optimizer": False},
-        "resources": {"nodes": 1, "gpus_per_node": 4, "cpus_per_task": 1},
+        "resources": {"device": "cpu", "nodes": 1, "gpus_per_node": 4, "cpus_per_task": 1},
         "training": {
             "train_steps": steps,
             "micro_batch_size": 2,

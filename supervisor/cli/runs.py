@@ -58,8 +58,19 @@ def submit(
         str | None, typer.Option(help="Default: a fresh UUID (safe to retry this command).")
     ] = None,
     poll_seconds: Annotated[float, typer.Option(min=0.1)] = 5.0,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the sbatch parameters and batch script of the first attempt "
+            "(this host's settings); submit nothing.",
+        ),
+    ] = False,
 ) -> None:
     """Submit a run; prints its id. With --wait, exit 0 only if it succeeds."""
+    if dry_run:
+        _print_preview(load_spec(spec))
+        return
     body = json.loads(load_spec(spec).model_dump_json())
     api = Api()
     key = idempotency_key or str(uuid.uuid4())
@@ -76,6 +87,18 @@ def submit(
         state = new
     if state != "succeeded":
         fail(f"run {run['id']} ended {state}")
+
+
+def _print_preview(spec: Any) -> None:
+    from supervisor.preview import sbatch_preview
+    from supervisor.settings import Settings
+
+    preview = sbatch_preview(spec, Settings.from_env())
+    typer.echo(f"# sbatch parameters (run id {preview['run_id']} stands in for the real one)")
+    for name, value in sorted(preview["parameters"].items()):
+        typer.echo(f"#   {name} = {value}")
+    typer.echo("# job environment: " + ", ".join(sorted(preview["environment"])))
+    typer.echo(preview["script"], nl=False)
 
 
 @app.command("runs")

@@ -27,7 +27,7 @@ from megatron_runs import checkpointing
 from supervisor import store
 from supervisor.auth import Scope
 from supervisor.db import Database
-from supervisor.launcher import SubmitPlan, job_name, submit
+from supervisor.launcher import NodeSetup, SubmitPlan, job_name, submit
 from supervisor.models import (
     Action,
     ActionState,
@@ -94,7 +94,7 @@ def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[list[int]]:
 class ActuatorConfig:
     home: Path
     supervisor_url: str | None = None
-    gpus: bool = False
+    node_setup: NodeSetup = field(default_factory=NodeSetup)
     signal_delay_s: int = 90
 
 
@@ -223,7 +223,7 @@ class Actuator:
                 exclude=tuple(sorted(set(run.excluded_nodes_json))),
                 supervisor_url=self.config.supervisor_url,
                 worker_token=secret,
-                gpus=self.config.gpus,
+                node_setup=self.config.node_setup,
                 signal_delay_s=self.config.signal_delay_s,
             )
             try:

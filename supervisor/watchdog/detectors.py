@@ -22,6 +22,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from megatron_runs import exitcodes
 from supervisor.spec import RecoverySpec
 from supervisor.watchdog.snapshot import (
     DARK_AFTER_S,
@@ -709,6 +710,7 @@ _CODE_PATTERNS = re.compile(
 #: Exit codes from `megatron_runs.exitcodes` (docs/contracts.md).
 EXIT_REQUEUE = 75
 EXIT_INJECTED_CRASH = 76
+EXIT_NO_GPU = exitcodes.NO_GPU
 
 
 def classify_failure(exit_code: int | None, reason: str | None) -> Cause:
@@ -765,6 +767,13 @@ def detect_job_state(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
         # preemption or a walltime warning, not a failure (SLURM can only say FAILED 75).
         kind, cause = FindingKind.JOB_PREEMPTED, Cause.INFRA
         summary = f"job {job.job_id} checkpointed on a stop signal (exit 75): requeue"
+    elif job.state is JobState.FAILED and job.exit_code == EXIT_NO_GPU:
+        # The job was given GPUs and a rank saw fewer: the node or the cluster's GPU set-up is
+        # wrong, and the same request would fail the same way.
+        kind, cause = FindingKind.JOB_NO_GPU, Cause.CODE
+        summary = f"job {job.job_id}: a rank found no GPU (exit {EXIT_NO_GPU})" + (
+            f": {job.reason}" if job.reason else ""
+        )
     elif job.state is JobState.FAILED:
         cause = job.cause or classify_failure(job.exit_code, job.reason)
         kind = FindingKind.JOB_FAILED

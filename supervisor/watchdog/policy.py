@@ -463,6 +463,8 @@ def decide(
         return Remedy(RemedyKind.REQUEUE, finding.summary, finding=finding, suspect=Cause.INFRA)
     if kind is FindingKind.JOB_OOM:
         return _escalate(f"out of memory: {finding.summary}", finding, Cause.CODE)
+    if kind is FindingKind.JOB_NO_GPU:
+        return _escalate(f"GPU job without GPUs: {finding.summary}", finding, Cause.CODE)
     if kind is FindingKind.JOB_CANCELLED:
         return _escalate("job cancelled outside nightwatch", finding)
     if kind in (FindingKind.REPLICA_MISMATCH, FindingKind.CHECKPOINT_STALL):

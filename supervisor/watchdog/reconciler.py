@@ -32,6 +32,7 @@ from sqlalchemy.orm import defer
 from supervisor import store
 from supervisor.db import Database
 from supervisor.joblog import LogFinding, LogKind, classify, suspect_hosts
+from supervisor.launcher import NodeSetup
 from supervisor.metrics import SupervisorMetrics
 from supervisor.models import (
     ACTIVE_RUN_STATES,
@@ -144,7 +145,7 @@ class WatchdogConfig:
     lease_name: str = "reconciler"
     lease_ttl_s: float = 30.0
     lost_after_s: float = 300.0
-    gpus: bool = False
+    node_setup: NodeSetup = field(default_factory=NodeSetup)
     signal_delay_s: int = 90
     holder: str = field(default_factory=default_holder)
 
@@ -344,7 +345,7 @@ class Reconciler:
             ActuatorConfig(
                 home=config.home,
                 supervisor_url=config.supervisor_url,
-                gpus=config.gpus,
+                node_setup=config.node_setup,
                 signal_delay_s=config.signal_delay_s,
             ),
             self.notifier,
@@ -1063,6 +1064,7 @@ def build_reconciler(
             supervisor_url=settings.public_url,
             tick_seconds=settings.tick_seconds,
             lease_ttl_s=max(30.0, 5 * settings.tick_seconds),
+            node_setup=NodeSetup(settings.job_python, settings.job_setup),
         ),
         registry=registry,
         supervisor_metrics=supervisor_metrics,

@@ -176,6 +176,7 @@ class FindingKind(enum.StrEnum):
     JOB_CANCELLED = "job_cancelled"
     JOB_LOST = "job_lost"
     JOB_ENDED_EARLY = "job_ended_early"  # exit 0 before target: walltime chaining
+    JOB_NO_GPU = "job_no_gpu"  # a GPU run's rank found fewer GPUs than it was given
 
 
 #: Faults of the training numerics: the same remedy ladder (data → node → person) applies.

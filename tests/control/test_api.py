@@ -150,6 +150,31 @@ def test_validate_reports_layout_without_submitting(client: TestClient, tokens: 
     assert client.get("/v1/runs", headers=tokens.headers()).json()["total"] == 0
 
 
+def test_validate_renders_the_first_attempts_sbatch_on_request(
+    client: TestClient, tokens: Tokens
+) -> None:
+    gpu = {**TINY_SPEC, "resources": {"nodes": 2, "gpus_per_node": 2, "memory_gib": 64}}
+    plain = client.post("/v1/specs/validate", json=gpu, headers=tokens.headers("read")).json()
+    assert plain["sbatch"] is None
+    body = client.post(
+        "/v1/specs/validate?render=sbatch", json=gpu, headers=tokens.headers("read")
+    ).json()
+    sbatch = body["sbatch"]
+    assert sbatch["parameters"]["gpus_per_node"] == 2 and sbatch["parameters"]["mem"] == "64G"
+    assert "#SBATCH --gpus-per-node=2" in sbatch["script"].splitlines()
+    assert "NIGHTWATCH_WORKER_TOKEN" not in sbatch["environment"]
+    cpu = client.post(
+        "/v1/specs/validate?render=sbatch", json=TINY_SPEC, headers=tokens.headers("read")
+    ).json()["sbatch"]
+    assert "gpus_per_node" not in cpu["parameters"]
+    assert cpu["environment"]["CUDA_VISIBLE_DEVICES"] == ""
+    bad = client.post(
+        "/v1/specs/validate?render=yaml", json=TINY_SPEC, headers=tokens.headers("read")
+    )
+    assert bad.status_code == 422
+    assert client.get("/v1/runs", headers=tokens.headers()).json()["total"] == 0
+
+
 def test_list_filters_by_state_and_name_and_pages(
     client: TestClient, tokens: Tokens, database: Database
 ) -> None:

@@ -39,6 +39,16 @@ def test_validate_examples(name: str) -> None:
     assert "tokens / step" in result.stdout
 
 
+def test_submit_dry_run_shows_the_gpu_request_and_submits_nothing() -> None:
+    result = invoke("submit", "--dry-run", str(EXAMPLES / "gpt-1.3b-4gpu.yaml"))
+    assert result.exit_code == 0, result.output
+    assert "#   gpus_per_node = 4" in result.stdout
+    assert "#SBATCH --gpus-per-node=4" in result.stdout.splitlines()
+    assert "-m submitit.core._submit" in result.stdout
+    cpu = invoke("submit", "--dry-run", str(EXAMPLES / "tiny-cpu.yaml"))
+    assert cpu.exit_code == 0 and "--gpus-per-node" not in cpu.stdout
+
+
 def test_validate_reports_the_8b_worked_example() -> None:
     result = invoke("validate", "--json", str(EXAMPLES / "llama-8b-32gpu.yaml"))
     report = json.loads(result.stdout)

@@ -126,8 +126,9 @@ def _stack(home: Path) -> Iterator[Stack]:
     )  # fmt: skip
     already = _devcluster("status").returncode == 0
     started = _devcluster(
-        "start", "--nodes", "3", "--sd-url", f"{url}/v1/prometheus/targets", "--sd-token", token
-    )
+        "start", "--nodes", "3", "--gpus-per-node", "2", "--sd-url",
+        f"{url}/v1/prometheus/targets", "--sd-token", token,
+    )  # fmt: skip
     prepared, errors = prepare.communicate(timeout=300)
     assert prepare.returncode == 0, errors[-3000:]
     data = dict(line.split(": ", 1) for line in prepared.strip().splitlines())
@@ -195,7 +196,13 @@ def tiny_spec(name: str, data: dict[str, str], **sections: Any) -> dict[str, Any
             "precision": "fp32",
         },
         "parallelism": {"tensor": 1, "pipeline": 1, "data": 2, "distributed_optimizer": False},
-        "resources": {"nodes": 2, "gpus_per_node": 1, "cpus_per_task": 1, "time_limit_minutes": 10},
+        "resources": {
+            "device": "cpu",
+            "nodes": 2,
+            "gpus_per_node": 1,
+            "cpus_per_task": 1,
+            "time_limit_minutes": 10,
+        },
         "training": {
             "train_steps": 30,
             "micro_batch_size": 2,

@@ -23,7 +23,7 @@ def test_tp2_pp2_run_through_the_api_succeeds_on_two_nodes(stack: Stack) -> None
         "it-tp2pp2",
         stack.data,
         parallelism={"tensor": 2, "pipeline": 2, "data": 1},
-        resources={"nodes": 2, "gpus_per_node": 2},
+        resources={"device": "cpu", "nodes": 2, "gpus_per_node": 2},
         training={"train_steps": 20, "global_batch_size": 2, "micro_batch_size": 1},
     )
     started = time.monotonic()

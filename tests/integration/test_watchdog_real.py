@@ -141,7 +141,7 @@ def test_nan_on_a_bad_node_excludes_it_and_finishes_on_a_spare(stack: Stack) -> 
         "it-badnode",
         stack.data,
         model={"hidden_size": 64, "seq_length": 64},
-        resources={"nodes": 1, "gpus_per_node": 2},
+        resources={"device": "cpu", "nodes": 1, "gpus_per_node": 2},
         training={"train_steps": BAD_NODE_STEPS, "global_batch_size": 16},
         recovery={"hang_floor_seconds": 600},
         faults=[

@@ -77,7 +77,7 @@ def _hang_spec(stack: Stack) -> dict[str, Any]:
     return tiny_spec(
         "it-hang",
         stack.data,
-        resources={"nodes": 1, "gpus_per_node": 2},
+        resources={"device": "cpu", "nodes": 1, "gpus_per_node": 2},
         training={"train_steps": 200},
         recovery={"hang_floor_seconds": HANG_FLOOR_S},
         faults=[{"kind": "node", "node": "n1", "effect": "hang", "after_step": HANG_STEP}],

@@ -85,6 +85,7 @@ def _toy_spec(
             },
             "parallelism": {"tensor": 1, "pipeline": 1, "data": nodes * per_node},
             "resources": {
+                "device": "cpu",
                 "nodes": nodes,
                 "gpus_per_node": per_node,
                 "time_limit_minutes": time_limit,

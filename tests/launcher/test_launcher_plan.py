@@ -47,9 +47,42 @@ def test_job_request_from_plan(plan):
     assert env["NIGHTWATCH_URL"] == "http://127.0.0.1:8787"
     assert env["NIGHTWATCH_WORKER_TOKEN"] == "tok"
     assert (env["NIGHTWATCH_RUN_ID"], env["NIGHTWATCH_ATTEMPT"]) == ("r1", "3")
-    assert launcher.job_request(replace(plan, gpus=True)).gpus_per_node == 2
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU run hides the node's GPUs
+    assert launcher.training_task(plan).gpus_required == 0
     bare = dict(launcher.job_env(replace(plan, supervisor_url=None, worker_token=None)))
     assert "NIGHTWATCH_URL" not in bare and "NIGHTWATCH_WORKER_TOKEN" not in bare
+
+
+def test_a_gpu_spec_asks_for_its_gpus_whatever_host_the_supervisor_runs_on(plan):
+    resources = plan.spec.resources.model_copy(
+        update={"device": "gpu", "memory_gib": 200, "exclusive": True}
+    )
+    gpu = replace(
+        plan,
+        spec=plan.spec.model_copy(update={"resources": resources}),
+        node_setup=launcher.NodeSetup("/opt/venv/bin/python", ("module load cuda/12.4",)),
+    )
+    req = launcher.job_request(gpu)
+    assert (req.gpus_per_node, req.memory_gib, req.exclusive) == (2, 200, True)
+    assert (req.python, req.setup) == ("/opt/venv/bin/python", ("module load cuda/12.4",))
+    assert launcher.training_task(gpu).gpus_required == 2  # per node task: one per rank
+    assert "CUDA_VISIBLE_DEVICES" not in launcher.job_env(gpu)
+
+
+def test_gpus_required_follows_the_device(plan):
+    gpu = RunSpec.model_validate({**_minimal(), "resources": {"gpus_per_node": 8}})
+    cpu = RunSpec.model_validate({**_minimal(), "resources": {"device": "cpu", "gpus_per_node": 8}})
+    assert gpu.resources.device == "gpu"  # the default: the product is for GPU clusters
+    assert (launcher.gpus_required(gpu), launcher.gpus_required(cpu)) == (8, 0)
+
+
+def _minimal() -> dict:
+    return {
+        "name": "m",
+        "model": {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 1, "seq_length": 8,
+                  "vocab_size": 64},
+        "training": {"train_steps": 1},
+    }  # fmt: skip
 
 
 def test_training_task_carries_the_attempt_and_pickles(plan):

@@ -17,6 +17,7 @@ from supervisor.slurm import (
     parse_sinfo,
     parse_squeue,
     parse_state,
+    render_sbatch,
     sbatch_parameters,
     task_exit_code,
     with_failed_nodes,
@@ -181,6 +182,37 @@ def test_sbatch_parameters():
     assert "qos" not in params
     cpu = sbatch_parameters(JobRequest("j", Path("/tmp"), 1, 2, requeue=True))
     assert "gpus_per_node" not in cpu and cpu["additional_parameters"] == {"requeue": True}
+    assert not {"mem", "exclusive", "setup"} & set(cpu)
+
+
+def test_rendered_batch_script_is_what_sbatch_gets():
+    request = JobRequest(
+        job_name="nw-r-a1",
+        log_dir=Path("/runs/r/logs/a1"),
+        nodes=2,
+        tasks_per_node=1,
+        cpus_per_task=32,
+        gpus_per_node=4,
+        memory_gib=480,
+        exclusive=True,
+        python="/opt/nw/bin/python",
+        setup=("module load cuda/12.4", "source /opt/nw/bin/activate"),
+    )
+    script = render_sbatch(request)
+    directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    for expected in (
+        "--gpus-per-node=4",
+        "--mem=480G",
+        "--exclusive",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=32",
+        "--job-name=nw-r-a1",
+    ):
+        assert f"#SBATCH {expected}" in directives, (expected, directives)  # fmt: skip
+    setup = script.index("module load cuda/12.4")
+    assert setup < script.index("source /opt/nw/bin/activate") < script.index("srun")
+    assert "/opt/nw/bin/python -u -m submitit.core._submit /runs/r/logs/a1/%j" in script
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,7 @@ def scenario_spec() -> dict[str, Any]:
         name="truth-run",
         data={},  # the built-in demo corpus, prepared by the trainer under NIGHTWATCH_HOME
         parallelism={"tensor": 1, "pipeline": 1, "data": 1, "distributed_optimizer": False},
-        resources={"nodes": 1, "gpus_per_node": 1, "cpus_per_task": 1},
+        resources={"device": "cpu", "nodes": 1, "gpus_per_node": 1, "cpus_per_task": 1},
         checkpoint={"interval_steps": 10, "keep_last": 20},
         recovery={**spec["recovery"], "rollback_skip_steps": (POISON[1] - POISON[0]) // BATCH},
         faults=[{"kind": "poison_data", "start_sample": POISON[0], "end_sample": POISON[1]}],

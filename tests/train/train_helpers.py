@@ -27,7 +27,7 @@ def spec_dict(
             "precision": "fp32",
         },
         "parallelism": {"tensor": tp, "pipeline": pp, "data": dp},
-        "resources": {"nodes": 1, "gpus_per_node": tp * pp * dp},
+        "resources": {"device": "cpu", "nodes": 1, "gpus_per_node": tp * pp * dp},
         "training": {
             "train_steps": steps,
             "micro_batch_size": 2,

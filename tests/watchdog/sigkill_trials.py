@@ -35,7 +35,13 @@ ROOT = HERE.parents[1]
 SPEC = {
     "name": "sigkill",
     "model": TINY_SPEC["model"],
-    "resources": {"nodes": 1, "gpus_per_node": 1, "cpus_per_task": 1, "time_limit_minutes": 5},
+    "resources": {
+        "device": "cpu",
+        "nodes": 1,
+        "gpus_per_node": 1,
+        "cpus_per_task": 1,
+        "time_limit_minutes": 5,
+    },
     "training": {"train_steps": 100, "global_batch_size": 8},
     "recovery": {"max_restarts": 100},
 }

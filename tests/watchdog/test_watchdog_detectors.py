@@ -346,6 +346,16 @@ def test_job_states(rc: RecoverySpec, state: JobState, kind: FindingKind, cause:
     assert detect_job_state(snapshot([], job_state=state, job_health=SourceHealth.DOWN), rc) == []
 
 
+def test_a_gpu_job_without_gpus_is_a_configuration_fault_not_a_crash(rc: RecoverySpec) -> None:
+    reason = "no GPU: node n1 sees 0 of the 2 GPUs this job needs"
+    snap = snapshot([], job_state=JobState.FAILED, exit_code=78, reason=reason)
+    (f,) = detect_job_state(snap, rc)
+    assert (f.kind, f.cause) == (FindingKind.JOB_NO_GPU, Cause.CODE)
+    assert "exit 78" in f.summary and reason in f.summary
+    other = detect_job_state(snapshot([], job_state=JobState.FAILED, exit_code=1), rc)
+    assert [g.kind for g in other] == [FindingKind.JOB_FAILED]
+
+
 def test_completed_job_before_target_continues_and_at_target_is_quiet(rc: RecoverySpec) -> None:
     early = snapshot([], job_state=JobState.COMPLETED, disk_checkpoint_step=500, target_steps=1000)
     (f,) = detect_job_state(early, rc)

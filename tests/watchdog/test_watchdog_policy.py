@@ -302,6 +302,7 @@ def test_exclusion_budget_escalates(rc: RecoverySpec) -> None:
         (FindingKind.JOB_FAILED, Cause.CODE, RemedyKind.ESCALATE),
         (FindingKind.JOB_FAILED, Cause.UNKNOWN, RemedyKind.RESTART),
         (FindingKind.JOB_OOM, Cause.CODE, RemedyKind.ESCALATE),
+        (FindingKind.JOB_NO_GPU, Cause.CODE, RemedyKind.ESCALATE),
         (FindingKind.JOB_CANCELLED, Cause.UNKNOWN, RemedyKind.ESCALATE),
         (FindingKind.JOB_LOST, Cause.UNKNOWN, RemedyKind.RESTART),
         (FindingKind.REPLICA_MISMATCH, Cause.UNKNOWN, RemedyKind.ESCALATE),

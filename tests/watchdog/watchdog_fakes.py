@@ -32,7 +32,7 @@ TINY_SPEC = {
         "seq_length": 32,
         "vocab_size": 256,
     },
-    "resources": {"nodes": 2, "gpus_per_node": 1},
+    "resources": {"device": "cpu", "nodes": 2, "gpus_per_node": 1},
     "parallelism": {"data": 2},
     "training": {"train_steps": 300, "micro_batch_size": 1, "global_batch_size": 8},
     "checkpoint": {"interval_steps": 50},

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Query, Request
 
 from supervisor.api.deps import ReadToken
 from supervisor.api.examples import SPEC_EXAMPLES
 from supervisor.api.routes.runs import ERRORS
 from supervisor.api.schemas import LayoutOut
 from supervisor.layout import layout_report
+from supervisor.preview import sbatch_preview
 from supervisor.spec import RunSpec
 
 router = APIRouter(prefix="/v1/specs", tags=["specs"], responses=ERRORS)
@@ -18,7 +19,16 @@ router = APIRouter(prefix="/v1/specs", tags=["specs"], responses=ERRORS)
 
 @router.post("/validate", response_model=LayoutOut)
 def validate_spec(
-    spec: Annotated[RunSpec, Body(openapi_examples=SPEC_EXAMPLES)], _: ReadToken
+    spec: Annotated[RunSpec, Body(openapi_examples=SPEC_EXAMPLES)],
+    request: Request,
+    _: ReadToken,
+    render: Annotated[
+        Literal["sbatch"] | None,
+        Query(description="`sbatch`: also show what the first attempt would submit."),
+    ] = None,
 ) -> Any:
     """Always 200 for a well-formed spec: `ok` says whether it can run, `problems` why not."""
-    return layout_report(spec).as_dict()
+    report = layout_report(spec).as_dict()
+    if render == "sbatch":
+        report["sbatch"] = sbatch_preview(spec, request.app.state.settings)
+    return report

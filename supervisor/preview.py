@@ -1,0 +1,40 @@
+"""What the launcher would submit for a spec's first attempt, without submitting it.
+
+A CI system or an operator checks the GPU request, the partition and the set-up lines before
+the queue wait, not after: `nightwatch submit --dry-run` and `POST /v1/specs/validate?render=
+sbatch` both show this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from supervisor.launcher import NodeSetup, SubmitPlan, job_env, job_request
+from supervisor.settings import Settings
+from supervisor.slurm import render_sbatch, sbatch_parameters
+from supervisor.spec import RunSpec
+from supervisor.watchdog.actions import attempt_log_dir, checkpoint_dir
+
+#: Stands in for the id the run would be given; paths and the job name show where it goes.
+PREVIEW_RUN_ID = "r-dry-run"
+
+
+def sbatch_preview(spec: RunSpec, settings: Settings) -> dict[str, Any]:
+    """sbatch parameters, the batch script and the job's environment names (values of
+    secrets are never shown: the worker token is minted at submission)."""
+    plan = SubmitPlan(
+        run_id=PREVIEW_RUN_ID,
+        attempt=1,
+        spec=spec,
+        checkpoint_dir=checkpoint_dir(settings.home, PREVIEW_RUN_ID, spec),
+        log_dir=attempt_log_dir(settings.home, PREVIEW_RUN_ID, 1),
+        supervisor_url=settings.public_url,
+        node_setup=NodeSetup(settings.job_python, settings.job_setup),
+    )
+    request = job_request(plan)
+    return {
+        "run_id": PREVIEW_RUN_ID,
+        "parameters": sbatch_parameters(request),
+        "script": render_sbatch(request),
+        "environment": job_env(plan),
+    }
