@@ -81,6 +81,20 @@ class _Log:
             sys.stderr.flush()
 
 
+class _SetupClock:
+    """Where an attempt's start-up goes (seconds per phase, in the train_start line): a
+    restart's cost is read from these, not guessed."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + now - self._last, 3)
+        self._last = now
+
+
 class _StopFlag:
     """Set by USR2/TERM; acted on at the next step boundary.
 
@@ -276,8 +290,10 @@ def _set_lr(optimizer: object, lr: float) -> None:
 
 
 def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
+    entered = time.time()
     stop = _StopFlag()
     stop.install()
+    setup = _SetupClock()
     rank, world, local_rank, device = _init_distributed()
     p = spec.parallelism
     if p.virtual_pipeline:
@@ -287,6 +303,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     if world != p.world_size:
         raise ValueError(f"WORLD_SIZE {world} != tensor×pipeline×data {p.world_size}")
     ps.initialize_model_parallel(p.tensor, p.pipeline)
+    setup.mark("distributed_init")
     log = _Log(ctx, rank)
     t = spec.training
     torch.manual_seed(t.seed)
@@ -295,6 +312,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     stream = TokenStream(_data_prefix(spec), spec.model.seq_length)
     model, config = _build_model(spec, bf16)
     optimizer = _build_optimizer(spec, model, bf16)
+    setup.mark("model_and_optimizer")
     nodes = _job_nodes(ctx.node)
     node_index = nodes.index(ctx.node)
     faults = Faults.for_process(spec, ctx.node, rank, ctx.checkpoint_dir, local_rank, nodes)
@@ -315,6 +333,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     root = Path(ctx.checkpoint_dir)
 
     step, cursor = 0, 0
+    setup.mark("other")
     info = ck.choose(root, ctx.resume_step)
     resumed_from = info.step if info is not None else None
     if ctx.resume_step and (info is None or info.step != ctx.resume_step):
@@ -325,6 +344,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         _fuse_adam(optimizer)
         step, cursor = loaded.step, loaded.consumed_samples
         log("checkpoint_loaded", step=step, path=str(info.path), seconds=time.perf_counter() - t0)
+        setup.mark("checkpoint_load")
         if rank == 0:
             try:
                 ck.unpin_below(root, step)
@@ -346,7 +366,11 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     last_loss = math.nan
     exit_code = exitcodes.OK
     target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
-    log("train_start", step=step, cursor=cursor, target=target, layout=layout, cpu=CPU, nodes=nodes)
+    setup.mark("other")
+    log(
+        "train_start", step=step, cursor=cursor, target=target, layout=layout, cpu=CPU,
+        nodes=nodes, entered=round(entered, 3), setup_seconds=setup.seconds,
+    )  # fmt: skip
 
     while step < target:
         step_start = time.perf_counter()

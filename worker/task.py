@@ -75,6 +75,8 @@ class TrainingTask:
         early.install()
         # The launcher's environment (docs/contracts.md), set before torch is imported.
         os.environ.update(dict(self.env))
+        _configure_logging()
+        log.info("task begin node=%s", node_name(), extra=self._context(task_info().job_id))
         # torch.cuda.is_available() (cpu_compat calls it on import) asks the driver for its
         # devices unless told to ask NVML, and a CUDA driver touched before a fork fails in the
         # children: every forked rank on a GPU node would fail to select its device.
@@ -82,9 +84,7 @@ class TrainingTask:
         ranks = rank_infos(task_info(), self.ranks_per_task)
         missing = missing_gpus(self.gpus_required, node_name())
         if missing is not None:
-            _configure_logging()
-            context = {"run_id": self.run_id, "attempt": self.attempt, "job_id": ranks[0].job_id}
-            log.error(missing, extra=context)
+            log.error(missing, extra=self._context(ranks[0].job_id))
             for info in ranks:
                 _record_exit(info, exitcodes.NO_GPU)
             _leave(exitcodes.NO_GPU)
@@ -100,6 +100,9 @@ class TrainingTask:
             for info in ranks:
                 _record_exit(info, code)
         _leave(code)
+
+    def _context(self, job_id: str) -> dict[str, object]:
+        return {"run_id": self.run_id, "attempt": self.attempt, "job_id": job_id}
 
     def _rank(self, info: TaskInfo, early: _EarlyStop) -> int:
         """Train as one rank; the exit code, recorded beside the job's logs."""
@@ -117,8 +120,7 @@ class TrainingTask:
     def _run(self, info: TaskInfo, early: _EarlyStop) -> int:
         os.environ.update(dist_env(info))
         node = node_name()
-        context = {"run_id": self.run_id, "attempt": self.attempt, "job_id": info.job_id}
-        _configure_logging()
+        context = self._context(info.job_id)
         log.info(
             "task start node=%s rank=%d/%d local_rank=%d master=%s:%s",
             node,
@@ -129,7 +131,10 @@ class TrainingTask:
             os.environ["MASTER_PORT"],
             extra=context,
         )
-        _select_device(info.local_rank)
+        gpu = _select_device(info.local_rank)
+        if gpu is not None:
+            log.info("task device node=%s rank=%d gpu=%s", node, info.global_rank, gpu,
+                     extra=context)  # fmt: skip
         module = importlib.import_module(self.entry)
         from supervisor.spec import RunSpec
 
@@ -205,12 +210,16 @@ def _registrar(run_id: str, attempt: int, node: str) -> Registrar | None:
     return Registrar(url, os.environ.get("NIGHTWATCH_WORKER_TOKEN"), run_id, attempt, node)
 
 
-def _select_device(local_rank: int) -> None:
-    """One GPU per task when there are GPUs; CPU (gloo) otherwise."""
+def _select_device(local_rank: int) -> str | None:
+    """One GPU per rank when there are GPUs (CPU, gloo, otherwise); the GPU's UUID, which
+    tells ranks on distinct GPUs from ranks sharing one whatever the indices say."""
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if not torch.cuda.is_available():
+        return None
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def _configure_logging() -> None:

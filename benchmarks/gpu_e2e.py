@@ -1,0 +1,373 @@
+"""GPU runs through the production path: `nightwatch serve` + REST, real SLURM with GPU gres,
+Prometheus, NCCL and bf16 on the device machine (docs/benchmarks.md, "GPU path").
+
+It starts the dev cluster with one slurmd per group of GPUs (`--gpu-devices`: distinct
+physical GPUs per node), the supervisor on SQLite, and submits GPU specs over the API:
+
+* `clean`: a 2-node job (every GPU), trained to the end; checks that the ranks of different
+  nodes ran on distinct GPUs (the UUIDs the ranks log) and reports the attempt's start-up.
+* one run per fault (`--faults`), each on one node with the other as the spare an exclusion
+  moves to, tied to its cause as on CPU: the incident's detection latency, its MTTR, steps lost,
+  the remedy, and the restarted attempt's start-up broken into its parts from the training log.
+
+Results go to OUT/result.json and a table on stdout. The host must have been prepared with
+`scripts/gpu-host` (its environment exported), as the device machine has no package registry.
+
+    eval "$(scripts/gpu-host .carry)"
+    python3 benchmarks/gpu_e2e.py --out $OUT --faults crash nan_node poison
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+NIGHTWATCH = [sys.executable, "-m", "supervisor.cli"]
+TERMINAL = {"succeeded", "failed", "cancelled", "needs_attention"}
+
+#: GPT sizes: (layers, hidden, heads, seq). `350m` has 24 × 1024 (≈ 350M parameters with a
+#: 32k vocabulary): its checkpoint with optimizer states is ≈ 5 GB.
+MODELS = {"350m": (24, 1024, 16, 2048), "125m": (12, 768, 12, 1024), "tiny": (2, 128, 4, 256)}
+
+
+@dataclass
+class Stack:
+    url: str
+    token: str
+    home: Path
+    data: dict[str, str]
+    env: dict[str, str]
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        response = httpx.request(
+            method, self.url + path, json=body, timeout=30,
+            headers={"Authorization": f"Bearer {self.token}"},
+        )  # fmt: skip
+        response.raise_for_status()
+        return response.json()
+
+    def wait_run(self, run_id: str, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        run: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            run = self.api("GET", f"/v1/runs/{run_id}")
+            if run["state"] in TERMINAL:
+                return run
+            time.sleep(1)
+        return run
+
+
+def nightwatch(env: dict[str, str], *args: str) -> str:
+    out = subprocess.run(
+        [*NIGHTWATCH, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"nightwatch {' '.join(args)} failed: {out.stderr[-3000:]}")
+    return out.stdout
+
+
+def devcluster(cluster: Path, port: int, *args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "devcluster"), "--dir", str(cluster),
+         "--base-port", str(port), *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(f"devcluster {' '.join(args)} failed: {out.stderr[-3000:]}")
+    return out.stdout
+
+
+@contextmanager
+def stack(args: argparse.Namespace, gpus_per_node: int) -> Iterator[Stack]:
+    home = Path(tempfile.mkdtemp(prefix="nw-gpu-"))
+    cluster = Path(tempfile.mkdtemp(prefix="nwc-"))
+    port = args.base_port
+    url = f"http://127.0.0.1:{port + 50}"
+    env = {**os.environ, "NIGHTWATCH_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    token = nightwatch(
+        env, "token", "create", "--name", "gpu-e2e", "--scope", "admin", "--scope", "submit",
+        "--scope", "read",
+    ).strip()  # fmt: skip
+    prepare = subprocess.Popen(
+        [*NIGHTWATCH, "data", "prepare", "--out", str(home / "data"), "--vocab-size", "32768"],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    hardware = ["--cpus-per-node", str(args.cpus_per_node), "--memory-mb", str(args.memory_mb)]
+    if args.device == "gpu":
+        hardware += ["--gpus-per-node", str(gpus_per_node), "--gpu-devices"]
+    if os.environ.get("NIGHTWATCH_SLURM_PLUGIN_DIR"):
+        hardware += ["--plugin-dir", os.environ["NIGHTWATCH_SLURM_PLUGIN_DIR"]]
+    started = devcluster(
+        cluster, port, "start", "--nodes", str(args.nodes), "--no-accounting", *hardware,
+        "--sd-url", f"{url}/v1/prometheus/targets", "--sd-token", token,
+    )  # fmt: skip
+    print(f"cluster up in {time.monotonic() - t0:.1f} s", flush=True)
+    prepared, errors = prepare.communicate(timeout=600)
+    if prepare.returncode != 0:
+        raise SystemExit(f"data prepare failed: {errors[-3000:]}")
+    print(f"data ready in {time.monotonic() - t0:.1f} s", flush=True)
+    data = dict(line.split(": ", 1) for line in prepared.strip().splitlines())
+    exports = dict(
+        line.removeprefix("export ").split("=", 1)
+        for line in started.splitlines()
+        if line.startswith("export ")
+    )
+    env.update(
+        SLURM_CONF=exports["SLURM_CONF"],
+        NIGHTWATCH_PROMETHEUS_URL=exports["NIGHTWATCH_PROMETHEUS_URL"],
+        NIGHTWATCH_PUBLIC_URL=url,
+        NIGHTWATCH_PORT=str(port + 50),
+        NIGHTWATCH_EXECUTOR="slurm",
+        NIGHTWATCH_TICK_SECONDS="1",
+    )
+    log = (home / "serve.log").open("wb")
+    server = subprocess.Popen(
+        [*NIGHTWATCH, "serve"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    s = Stack(url, token, home, {k.removeprefix("data."): v for k, v in data.items()}, env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                s.api("GET", "/v1/runs")
+                break
+            except httpx.HTTPError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit((home / "serve.log").read_text()[-3000:]) from None
+                time.sleep(0.5)
+        yield s
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+        log.close()
+        subprocess.run(["scancel", "--user", str(os.getuid())], env=env, timeout=30)
+        devcluster(cluster, port, "stop")
+
+
+def gpu_spec(
+    name: str,
+    data: dict[str, str],
+    args: argparse.Namespace,
+    nodes: int,
+    gpus: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    layers, hidden, heads, seq = MODELS[args.model]
+    steps = args.steps
+    spec: dict[str, Any] = {
+        "name": name,
+        "model": {
+            "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+            "seq_length": seq, "vocab_size": 32768,
+            "precision": "bf16" if args.device == "gpu" else "fp32",
+        },
+        "parallelism": {"tensor": 1, "pipeline": 1, "data": nodes * gpus},
+        "resources": {
+            "device": args.device, "nodes": nodes, "gpus_per_node": gpus,
+            "cpus_per_task": args.cpus_per_rank,
+            "time_limit_minutes": 60,
+        },
+        "training": {
+            "train_steps": steps, "micro_batch_size": 4, "global_batch_size": 8 * nodes * gpus,
+            "lr": 3e-4, "min_lr": 3e-5, "lr_warmup_steps": 5,
+        },
+        "data": data,
+        "checkpoint": {"interval_steps": 10, "keep_last": 3},
+        "recovery": {"hang_floor_seconds": 30.0},
+    }  # fmt: skip
+    for section, values in extra.items():
+        spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
+    return spec
+
+
+#: Each fault as the spec's `faults` section (and recovery overrides), on a one-node job.
+FAULTS: dict[str, dict[str, Any]] = {
+    "crash": {"faults": [{"kind": "crash", "step": 25, "rank": 0}]},
+    "nan_node": {"faults": [{"kind": "node", "job_node": 0, "effect": "nan_grads",
+                             "after_step": 25}]},
+    "poison": {"faults": [{"kind": "poison_data", "start_sample": 200, "end_sample": 216,
+                           "effect": "nan"}]},
+    "spike": {"faults": [{"kind": "poison_data", "start_sample": 200, "end_sample": 224,
+                          "effect": "spike"}]},
+    "hang": {"faults": [{"kind": "node", "job_node": 0, "effect": "hang", "after_step": 25}]},
+    "straggler": {"faults": [{"kind": "node", "job_node": 0, "effect": "slow",
+                              "after_step": 25, "slow_factor": 4.0}]},
+    "corrupt": {"faults": [{"kind": "corrupt_checkpoint", "step": 20},
+                           {"kind": "crash", "step": 25, "rank": 0}]},
+}  # fmt: skip
+
+
+def training_log(home: Path, run_id: str) -> list[dict[str, Any]]:
+    """Every JSON line of every attempt's task logs, in time order."""
+    lines = []
+    for path in sorted((home / "runs" / run_id / "logs").rglob("*_log.out")):
+        for raw in path.read_text(errors="replace").splitlines():
+            start = raw.find("{")
+            if start < 0:
+                continue
+            try:
+                record = json.loads(raw[start:])
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "ts" in record:
+                lines.append(record)
+    return sorted(lines, key=lambda r: r["ts"])
+
+
+def startup(records: list[dict[str, Any]], attempt: int, submitted: float) -> dict[str, float]:
+    """One attempt's start-up, from its submission to its first step, in parts (seconds):
+    SLURM's start (to the node task's first line), the imports and forks (to the trainer's
+    entry), the trainer's own set-up phases (distributed/NCCL init, model and optimizer,
+    checkpoint load, the rest) and the first step (with any compilation)."""
+    mine = [r for r in records if r.get("attempt") == attempt]
+    begin = next((r for r in mine if str(r.get("msg", "")).startswith("task begin")), None)
+    train = next((r for r in mine if r.get("event") == "train_start"), None)
+    step = next((r for r in mine if r.get("event") == "step"), None)
+    parts: dict[str, float] = {}
+    if begin is not None:
+        parts["slurm_start"] = begin["ts"] - submitted
+    if train is not None and begin is not None:
+        parts["imports_and_fork"] = train["entered"] - begin["ts"]
+        parts.update(train["setup_seconds"])
+    if step is not None and train is not None:
+        parts["first_step"] = step["ts"] - train["ts"]
+    if step is not None:
+        parts["total_to_first_step"] = step["ts"] - submitted
+    return {k: round(v, 2) for k, v in parts.items()}
+
+
+def gpu_uuids(records: list[dict[str, Any]], attempt: int) -> dict[str, list[str]]:
+    """node → the GPU UUIDs its ranks ran on (the worker's `task device` line)."""
+    out: dict[str, list[str]] = {}
+    for r in records:
+        msg = str(r.get("msg", ""))
+        if r.get("attempt") == attempt and msg.startswith("task device"):
+            fields = dict(part.split("=", 1) for part in msg.split()[2:])
+            out.setdefault(fields["node"], []).append(fields["gpu"])
+    return out
+
+
+def incidents(stack: Stack, run_id: str) -> list[dict[str, Any]]:
+    import sqlite3
+
+    con = sqlite3.connect(stack.home / "nightwatch.db")
+    con.row_factory = sqlite3.Row
+    rows = con.execute(
+        "SELECT kind, remedy, fault_ts, detected_ts, recovered_ts, steps_lost, state "
+        "FROM incidents WHERE run_id = ? ORDER BY id", (run_id,),
+    ).fetchall()  # fmt: skip
+    con.close()
+    return [dict(r) for r in rows]
+
+
+def _epoch(iso: str) -> float:
+    """An API or SQLite timestamp (naive ones are UTC) as seconds since the epoch."""
+    t = datetime.fromisoformat(iso)
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
+
+
+def seconds_between(a: str | None, b: str | None) -> float | None:
+    if not a or not b:
+        return None
+    return round(_epoch(b) - _epoch(a), 2)
+
+
+def one_run(stack: Stack, name: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    run_id = stack.api("POST", "/v1/runs", spec)["id"]
+    t0 = time.monotonic()
+    run = stack.wait_run(run_id, timeout_s)
+    records = training_log(stack.home, run_id)
+    attempts = [
+        {
+            "attempt": a["number"], "state": a["state"], "job_id": a["job_id"],
+            "nodes": a["nodes"], "exit_code": a["exit_code"],
+            "startup": startup(records, a["number"], _epoch(a["submitted_at"])),
+            "gpus": gpu_uuids(records, a["number"]),
+        }
+        for a in run["attempts"]
+    ]  # fmt: skip
+    found = incidents(stack, run_id)
+    for inc in found:
+        inc["detection_s"] = seconds_between(inc["fault_ts"], inc["detected_ts"])
+        inc["mttr_s"] = seconds_between(inc["detected_ts"], inc["recovered_ts"])
+    losses = [r["loss"] for r in records if r.get("event") == "step" and r.get("loss") is not None]
+    result = {
+        "name": name, "run_id": run_id, "state": run["state"], "wall_s": round(
+            time.monotonic() - t0, 1), "last_step": run["last_step"], "attempts": attempts,
+        "incidents": found, "final_loss": losses[-1] if losses else None,
+    }  # fmt: skip
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(MODELS), default="350m")
+    parser.add_argument(
+        "--device", choices=("gpu", "cpu"), default="gpu",
+        help="cpu: the same runs on CPU ranks (--ranks-per-node), for a side-by-side table",
+    )  # fmt: skip
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="with --device cpu")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--faults", nargs="*", default=[], choices=sorted(FAULTS))
+    parser.add_argument("--no-clean", action="store_true")
+    parser.add_argument("--cpus-per-node", type=int, default=16)
+    parser.add_argument("--cpus-per-rank", type=int, default=4)
+    parser.add_argument("--memory-mb", type=int, default=100_000)
+    parser.add_argument("--base-port", type=int, default=23000)
+    parser.add_argument("--run-timeout", type=float, default=240)
+    args = parser.parse_args()
+    import torch
+
+    if args.device == "gpu":
+        gpus = torch.cuda.device_count()
+        if gpus < args.nodes:
+            raise SystemExit(f"{gpus} GPUs for {args.nodes} nodes")
+        per_node, card = gpus // args.nodes, torch.cuda.get_device_name(0)
+    else:
+        per_node, card = args.ranks_per_node, f"cpu ({os.cpu_count()} cores)"
+        gpus = per_node * args.nodes
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "card": card, "gpus": gpus, "nodes": args.nodes, "gpus_per_node": per_node,
+        "model": args.model, "runs": [],
+    }  # fmt: skip
+    with stack(args, per_node) as s:
+        if not args.no_clean:
+            spec = gpu_spec("gpu-clean", s.data, args, args.nodes, per_node)
+            results["runs"].append(one_run(s, "clean", spec, args.run_timeout))
+        for fault in args.faults:
+            spec = gpu_spec(f"gpu-{fault}", s.data, args, 1, per_node, **FAULTS[fault])
+            results["runs"].append(one_run(s, fault, spec, args.run_timeout))
+            (args.out / "result.json").write_text(json.dumps(results, indent=2))
+        (args.out / "result.json").write_text(json.dumps(results, indent=2))
+        (args.out / "serve.log").write_bytes((s.home / "serve.log").read_bytes()[-4_000_000:])
+    print(f"{'run':10s} {'state':16s} {'steps':>5s} {'attempts':>8s}  incidents")
+    for r in results["runs"]:
+        incs = ", ".join(f"{i['kind']}→{i['remedy']} det {i['detection_s']}s mttr {i['mttr_s']}s"
+                         for i in r["incidents"])  # fmt: skip
+        print(f"{r['name']:10s} {r['state']:16s} {r['last_step']!s:>5s} "
+              f"{len(r['attempts']):>8d}  {incs}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
