@@ -20,8 +20,10 @@ Results go to OUT/result.json and a table on stdout. The host must have been pre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,11 +156,15 @@ def stack(args: argparse.Namespace, gpus_per_node: int) -> Iterator[Stack]:
                 time.sleep(0.5)
         yield s
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
         log.close()
         subprocess.run(["scancel", "--user", str(os.getuid())], env=env, timeout=30)
         devcluster(cluster, port, "stop")
+        # Checkpoints of a 350M model are GBs a run: leave the disk as it was found.
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(cluster, ignore_errors=True)
 
 
 def gpu_spec(
@@ -197,7 +203,7 @@ def gpu_spec(
     return spec
 
 
-#: Each fault as the spec's `faults` section (and recovery overrides), on a one-node job.
+#: Each fault as the spec's `faults` section, on a one-node job unless it names `nodes`.
 FAULTS: dict[str, dict[str, Any]] = {
     "crash": {"faults": [{"kind": "crash", "step": 25, "rank": 0}]},
     "nan_node": {"faults": [{"kind": "node", "job_node": 0, "effect": "nan_grads",
@@ -207,8 +213,13 @@ FAULTS: dict[str, dict[str, Any]] = {
     "spike": {"faults": [{"kind": "poison_data", "start_sample": 200, "end_sample": 224,
                           "effect": "spike"}]},
     "hang": {"faults": [{"kind": "node", "job_node": 0, "effect": "hang", "after_step": 25}]},
-    "straggler": {"faults": [{"kind": "node", "job_node": 0, "effect": "slow",
-                              "after_step": 25, "slow_factor": 4.0}]},
+    # A rank hung while its peer on the other node waits for it inside an NCCL all-reduce;
+    # the job needs both nodes, so an exclusion leaves it nowhere to go.
+    "hang_collective": {"nodes": 2, "faults": [{"kind": "node", "job_node": 1,
+                                                "effect": "hang", "after_step": 25}]},
+    # A slow node shows only beside a peer: a 2-node job.
+    "straggler": {"nodes": 2, "faults": [{"kind": "node", "job_node": 1, "effect": "slow",
+                                          "after_step": 15, "slow_factor": 4.0}]},
     "corrupt": {"faults": [{"kind": "corrupt_checkpoint", "step": 20},
                            {"kind": "crash", "step": 25, "rank": 0}]},
 }  # fmt: skip
@@ -356,7 +367,9 @@ def main() -> None:
             spec = gpu_spec("gpu-clean", s.data, args, args.nodes, per_node)
             results["runs"].append(one_run(s, "clean", spec, args.run_timeout))
         for fault in args.faults:
-            spec = gpu_spec(f"gpu-{fault}", s.data, args, 1, per_node, **FAULTS[fault])
+            sections = dict(FAULTS[fault])
+            nodes = sections.pop("nodes", 1)
+            spec = gpu_spec(f"gpu-{fault}", s.data, args, nodes, per_node, **sections)
             results["runs"].append(one_run(s, fault, spec, args.run_timeout))
             (args.out / "result.json").write_text(json.dumps(results, indent=2))
         (args.out / "result.json").write_text(json.dumps(results, indent=2))
