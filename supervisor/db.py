@@ -228,6 +228,26 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+    with engine.connect() as connection:
+        sqlite = connection.dialect.name == "sqlite"
+        if sqlite:
+            _sqlite_foreign_keys(connection, on=False)
+        try:
+            with connection.begin():
+                config.attributes["connection"] = connection
+                command.upgrade(config, revision)
+                if sqlite and connection.exec_driver_sql("PRAGMA foreign_key_check").first():
+                    raise RuntimeError("migration left rows whose foreign keys dangle")
+        finally:
+            if sqlite:
+                _sqlite_foreign_keys(connection, on=True)
+
+
+def _sqlite_foreign_keys(connection: Any, *, on: bool) -> None:
+    """Switch SQLite's foreign keys outside any transaction (inside one the pragma is a no-op).
+
+    Off while migrating: SQLite alters a table by copying it and dropping the original, and
+    with foreign keys on, that DROP deletes the rows first, cascading to every child table
+    (a run's attempts, events, tokens…). Checked with `foreign_key_check` before the commit."""
+    driver = connection.connection.driver_connection
+    driver.execute(f"PRAGMA foreign_keys={'ON' if on else 'OFF'}")

@@ -33,6 +33,57 @@ def test_migrations_create_exactly_the_models(database: Database) -> None:
     database.upgrade()  # idempotent
 
 
+def test_owner_migration_keeps_every_row_and_backfills_owners(
+    database: Database, spec: RunSpec
+) -> None:
+    """0002 rebuilds `runs` on SQLite: that must not cascade-delete its children, and existing
+    runs belong to their token's owner (or to no one)."""
+    from sqlalchemy import text
+
+    from supervisor.db import upgrade
+
+    with database.engine.begin() as conn:
+        for table in reversed(Base.metadata.sorted_tables):
+            conn.execute(table.delete())
+    _downgrade(database, "0001")
+    now = "2026-11-27 00:00:00+00:00"
+    run = "INSERT INTO runs VALUES (:id, 'n', '{}', 'running', NULL, false, :key, 'h', :by, "
+    run += f"'{now}', '{now}', 1, '[]', '[]', 10, NULL, NULL)"
+    with database.engine.begin() as conn:
+        conn.execute(
+            text(f"INSERT INTO tokens VALUES ('t-1', 'ci', '[]', 'h1', NULL, '{now}', false)")
+        )
+        conn.execute(text(run), {"id": "r-1", "key": "k", "by": "t-1"})
+        conn.execute(text(run), {"id": "r-2", "key": None, "by": None})
+        conn.execute(
+            text("INSERT INTO attempts (run_id, number, executor, nodes_json, state, "
+                 f"submitted_at, skip_ranges_json, exclude_json) VALUES ('r-1', 1, 'local', "
+                 f"'[]', 'running', '{now}', '[]', '[]')")
+        )  # fmt: skip
+    upgrade(database.engine)
+    with database.session() as s:
+        assert [(r.id, r.owner) for r in store.list_runs(s).items] == [("r-2", ""), ("r-1", "ci")]
+        assert len(store.get_attempts(s, "r-1")) == 1
+        assert [t.owner for t in store.list_tokens(s)] == ["ci"]
+    with database.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        if database.is_sqlite:
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+
+
+def _downgrade(database: Database, revision: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    from supervisor.db import MIGRATIONS_DIR
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with database.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, revision)
+
+
 def test_same_key_same_spec_is_one_run_other_spec_conflicts(
     database: Database, spec: RunSpec
 ) -> None:
