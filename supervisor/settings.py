@@ -36,6 +36,9 @@ class Settings(BaseModel):
     token_cache_seconds: float = Field(
         default=10.0, ge=0, description="How long a resolved token is trusted (revocation lag)."
     )
+    max_body_bytes: int = Field(
+        default=1024 * 1024, ge=1, description="Larger request bodies are refused with 413."
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=8787, ge=0, le=65535)
     workers: int = Field(
@@ -65,6 +68,7 @@ class Settings(BaseModel):
             "port": "NIGHTWATCH_PORT",
             "token_cache_seconds": "NIGHTWATCH_TOKEN_CACHE_SECONDS",
             "workers": "NIGHTWATCH_WORKERS",
+            "max_body_bytes": "NIGHTWATCH_MAX_BODY_BYTES",
         }
         values = {field: env[var] for field, var in names.items() if env.get(var)}
         return cls.model_validate(values)
