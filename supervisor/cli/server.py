@@ -126,6 +126,10 @@ def db_upgrade() -> None:
 def token_create(
     name: Annotated[str, typer.Option(help="Who uses it, e.g. ci")],
     scope: Annotated[list[str], typer.Option(help="read, submit or admin; repeatable")],
+    owner: Annotated[
+        str | None,
+        typer.Option(help="Person or team its runs belong to (default: the name)"),
+    ] = None,
     run: Annotated[str | None, typer.Option(help="Restrict to one run (worker tokens)")] = None,
 ) -> None:
     """Create a token and print it once (only its hash is stored)."""
@@ -141,9 +145,42 @@ def token_create(
     db = _upgraded_database()
     with db.write_session() as session:
         try:
-            token, secret = store.create_token(session, name, scopes, run_id=run)
+            token, secret = store.create_token(session, name, scopes, run_id=run, owner=owner)
         except IntegrityError:
             fail(f"run {run} not found")
-    typer.echo(f"created token {token.id} ({name}: {', '.join(token.scopes)}); "
-               "it is shown only once:", err=True)  # fmt: skip
+    typer.echo(f"created token {token.id} ({name}, owner {token.owner}: "
+               f"{', '.join(token.scopes)}); it is shown only once:", err=True)  # fmt: skip
     typer.echo(secret)
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """Every token: id, name, owner, scopes, run, created, revoked (never a secret)."""
+    from supervisor import store
+
+    db = _upgraded_database()
+    with db.session() as session:
+        tokens = store.list_tokens(session)
+    typer.echo("id\tname\towner\tscopes\trun\tcreated\trevoked")
+    for t in tokens:
+        typer.echo(
+            f"{t.id}\t{t.name}\t{t.owner}\t{','.join(t.scopes)}\t{t.run_id or '-'}\t"
+            f"{t.created_at.isoformat(timespec='seconds')}\t{'yes' if t.revoked else 'no'}"
+        )
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token: Annotated[str, typer.Argument(help="A token id (t-…), or a name: all its live tokens")],
+) -> None:
+    """Revoke tokens; the API stops accepting them within its token cache time."""
+    from supervisor import store
+
+    db = _upgraded_database()
+    with db.write_session() as session:
+        try:
+            revoked = store.revoke_token(session, token)
+        except store.NotFound as exc:
+            fail(str(exc))
+    for t in revoked:
+        typer.echo(f"revoked token {t.id} ({t.name}, owner {t.owner})")
