@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Executor = Literal["auto", "slurm", "local"]
+SqliteSynchronous = Literal["full", "normal"]
 
 
 class Settings(BaseModel):
@@ -23,6 +24,10 @@ class Settings(BaseModel):
     home: Path = Field(default_factory=lambda: Path.home() / ".nightwatch")
     database_url: str | None = Field(
         default=None, description="SQLAlchemy URL; None means SQLite at $home/nightwatch.db."
+    )
+    sqlite_synchronous: SqliteSynchronous = Field(
+        default="full",
+        description="full: an acknowledged write survives power loss; normal: faster, may not.",
     )
     prometheus_url: str | None = Field(
         default=None, description="None means scrape the workers' /metrics directly."
@@ -69,6 +74,7 @@ class Settings(BaseModel):
             "token_cache_seconds": "NIGHTWATCH_TOKEN_CACHE_SECONDS",
             "workers": "NIGHTWATCH_WORKERS",
             "max_body_bytes": "NIGHTWATCH_MAX_BODY_BYTES",
+            "sqlite_synchronous": "NIGHTWATCH_SQLITE_SYNCHRONOUS",
         }
         values = {field: env[var] for field, var in names.items() if env.get(var)}
         return cls.model_validate(values)

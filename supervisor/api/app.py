@@ -54,7 +54,7 @@ def create_app(
 
     `metrics_dir`: this is one of several worker processes (`supervisor.api.workers_mode`),
     and /metrics merges the metric files there."""
-    db = database or Database(settings.db_url)
+    db = database or Database(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
 
     submissions = SubmissionWriter(db)
 

@@ -24,7 +24,7 @@ def _upgraded_database() -> Database:
     from supervisor.db import Database
 
     settings = local_settings()
-    db = Database(settings.db_url)
+    db = Database(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
     try:
         db.upgrade()
     except SQLAlchemyError as exc:

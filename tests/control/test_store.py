@@ -275,3 +275,29 @@ def test_sqlite_write_lock_is_shared_by_threads_and_freed_on_every_path(tmp_path
         assert s.scalar(count) == 16 * 20
     assert time.perf_counter() - t0 < 5
     db.dispose()
+
+
+def test_sqlite_acknowledged_writes_are_durable_by_default(tmp_path: Path) -> None:
+    """synchronous=FULL on every connection (in WAL, each commit syncs the log), unless the
+    operator trades durability for speed (NIGHTWATCH_SQLITE_SYNCHRONOUS=normal)."""
+    from supervisor.settings import Settings
+
+    url = f"sqlite:///{tmp_path / 'nightwatch.db'}"
+    assert Settings().sqlite_synchronous == "full"
+    assert Settings.from_env({"NIGHTWATCH_SQLITE_SYNCHRONOUS": "normal"}).sqlite_synchronous == (
+        "normal"
+    )
+    for level, expected in ((None, 2), ("normal", 1), ("full", 2)):  # PRAGMA's numbers
+        db = Database(url) if level is None else Database(url, sqlite_synchronous=level)
+        sessions = [db.session(), db.write_session(), db.request_read_session()]
+        try:
+            for session in sessions:
+                conn = session.connection()
+                assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == expected
+                assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        finally:
+            for session in sessions:
+                session.close()
+            db.dispose()
+    with pytest.raises(ValueError, match="full or normal"):
+        Database(url, sqlite_synchronous="off")
