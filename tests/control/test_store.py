@@ -97,6 +97,27 @@ def test_same_key_same_spec_is_one_run_other_spec_conflicts(
         assert store.list_runs(s).total == 1
 
 
+def test_idempotency_keys_are_per_owner_within_a_batch_and_after_it(
+    database: Database, spec: RunSpec
+) -> None:
+    other = spec.model_copy(update={"name": "other"})
+    with database.write_session() as s:
+        first = store.add_runs(
+            s, [store.NewRun(spec, "t-a", "k", "a"), store.NewRun(spec, "t-b", "k", "b")]
+        )
+        s.commit()
+        (a, a_created), (b, b_created) = first  # type: ignore[misc]
+        assert a_created and b_created and a["id"] != b["id"]
+        again = store.add_runs(
+            s, [store.NewRun(other, "t-b", "k", "b"), store.NewRun(spec, "t-a2", "k", "a")]
+        )
+        s.commit()
+    conflict, (replay, replay_created) = again  # type: ignore[misc]
+    assert isinstance(conflict, store.IdempotencyConflict)
+    assert b["id"] in str(conflict) and a["id"] not in str(conflict)
+    assert replay["id"] == a["id"] and not replay_created
+
+
 def test_a_batch_answers_each_request_like_a_request_of_its_own(
     database: Database, spec: RunSpec
 ) -> None:
