@@ -122,6 +122,10 @@ def db_upgrade() -> None:
     typer.echo(f"database {db.engine.url.render_as_string(hide_password=True)} is up to date")
 
 
+#: tokens.name and tokens.owner are String(64).
+MAX_TOKEN_NAME = 64
+
+
 @token_app.command("create")
 def token_create(
     name: Annotated[str, typer.Option(help="Who uses it, e.g. ci")],
@@ -140,6 +144,9 @@ def token_create(
         scopes = [Scope(s) for s in scope]
     except ValueError:
         fail(f"unknown scope in {scope}; use read, submit or admin")
+    for option, value in (("--name", name), ("--owner", owner)):
+        if value is not None and not 1 <= len(value) <= MAX_TOKEN_NAME:
+            fail(f"{option} must be 1 to {MAX_TOKEN_NAME} characters")
     from sqlalchemy.exc import IntegrityError
 
     db = _upgraded_database()

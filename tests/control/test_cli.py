@@ -103,6 +103,10 @@ def test_token_list_and_revoke_by_id_or_name(tmp_path: Path) -> None:
     revoked = [line.split("\t")[6] for line in invoke("token", "list", env=env).stdout.splitlines()]
     assert revoked[1:] == ["yes", "yes"]
     assert "no token named 'nobody'" in one_line_error(invoke("token", "revoke", "nobody", env=env))
+    too_long = invoke(
+        "token", "create", "--name", "x", "--scope", "read", "--owner", "o" * 65, env=env
+    )
+    assert "--owner must be 1 to 64 characters" in one_line_error(too_long)
 
 
 def test_unreachable_database_is_one_line(tmp_path: Path) -> None:
