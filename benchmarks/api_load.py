@@ -10,6 +10,8 @@ latency from each request's scheduled start, so a stalled server cannot hide its
 
     .venv/bin/python benchmarks/api_load.py --db sqlite --db postgresql --seconds 10
     .venv/bin/python benchmarks/api_load.py --seconds 8 --rate 500 --workers 2
+    .venv/bin/python benchmarks/api_load.py --db sqlite --sqlite-synchronous normal \
+        --sqlite-synchronous full --rate 500      # the cost of durable commits, side by side
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def _database(kind: str) -> Iterator[str]:
 
 
 @contextmanager
-def _server(url: str, workers: int) -> Iterator[tuple[str, str, psutil.Process]]:
+def _server(url: str, workers: int, synchronous: str) -> Iterator[tuple[str, str, psutil.Process]]:
     """Migrate, mint a token, start `serve` in its own process; yield (URL, token, process)."""
     db = Database(url)
     db.upgrade()
@@ -108,7 +110,7 @@ def _server(url: str, workers: int) -> Iterator[tuple[str, str, psutil.Process]]
     port = _free_port()
     home = tempfile.mkdtemp()
     env = {**os.environ, "NIGHTWATCH_DATABASE_URL": url, "NIGHTWATCH_HOME": home,
-           "NIGHTWATCH_PORT": str(port)}  # fmt: skip
+           "NIGHTWATCH_PORT": str(port), "NIGHTWATCH_SQLITE_SYNCHRONOUS": synchronous}  # fmt: skip
     proc = subprocess.Popen(
         [*SERVE, "--workers", str(workers)],
         env=env,
@@ -248,10 +250,16 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def bench(
-    kind: str, seconds: float, concurrency: int, rate: float | None, workers: int
+    kind: str,
+    seconds: float,
+    concurrency: int,
+    rate: float | None,
+    workers: int,
+    synchronous: str = "full",
 ) -> list[Result]:
     results = []
-    with _database(kind) as url, _server(url, workers) as (base, token, server):
+    label = f"{kind} ({synchronous})" if kind == "sqlite" else kind
+    with _database(kind) as url, _server(url, workers, synchronous) as (base, token, server):
         run_ids: list[str] = []
         asyncio.run(_phase(base, token, "POST", 1.0, concurrency, None, run_ids))  # warm-up
         for op in ("POST", "GET", MIX):
@@ -268,7 +276,7 @@ def bench(
             p50, p99 = (1000 * _percentile(lat, q) for q in (0.5, 0.99))
             results.append(
                 Result(
-                    kind, op, len(lat), errors, elapsed, p50, p99, cpu_ms, client_ms, steal, opened
+                    label, op, len(lat), errors, elapsed, p50, p99, cpu_ms, client_ms, steal, opened
                 )
             )
     return results
@@ -281,13 +289,25 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rate", type=float, default=None, help="Requests/s (open loop).")
     parser.add_argument("--workers", type=int, default=1, help="`serve --workers`.")
+    parser.add_argument(
+        "--sqlite-synchronous",
+        action="append",
+        choices=["full", "normal"],
+        help="SQLite's synchronous level (default full); repeat to compare side by side.",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     run = functools.partial(
         bench, seconds=args.seconds, concurrency=args.concurrency, rate=args.rate,
         workers=args.workers,
     )  # fmt: skip
-    rows = [r for kind in args.db or ["sqlite", "postgresql"] for r in run(kind)]
+    levels = args.sqlite_synchronous or ["full"]
+    rows = [
+        r
+        for kind in args.db or ["sqlite", "postgresql"]
+        for level in (levels if kind == "sqlite" else ["full"])
+        for r in run(kind, synchronous=level)
+    ]
     if args.json:
         print(json.dumps([{**r.__dict__, "rps": r.rps} for r in rows], indent=2))
         return

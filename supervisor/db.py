@@ -10,6 +10,12 @@ processes (`serve --workers N`, a CLI) on an flock of `<db>.writer-lock`. SQLite
 polls by sleeping (1, 2, 5, 10 … 100 ms) rather than waking when the lock is freed, so 16 API
 threads contending for the write lock added tens of milliseconds to a POST's p99; a Python lock
 hands over at once, and the flock is polled every half millisecond.
+
+Durability: SQLite runs `synchronous=FULL` by default, so a write the API acknowledged
+survives a power loss (in WAL mode every commit syncs the log). NORMAL syncs only at
+checkpoints: faster, but the last commits before a power cut may vanish, and with them runs
+a CI job was told exist. docs/benchmarks.md has the cost; NIGHTWATCH_SQLITE_SYNCHRONOUS=normal
+is the operator's choice to trade it back.
 """
 
 from __future__ import annotations
@@ -64,8 +70,10 @@ def json_dumps(value: Any) -> str:
         return json.dumps(_sanitize(value), default=str, allow_nan=False)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine configured for concurrent API use on either backend."""
+def make_engine(url: str, sqlite_synchronous: str = "full") -> Engine:
+    """An engine configured for concurrent API use on either backend.
+
+    `sqlite_synchronous`: SQLite's `synchronous` pragma, "full" (durable) or "normal"."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         on_disk = parsed.database and parsed.database != ":memory:"
@@ -79,7 +87,7 @@ def make_engine(url: str) -> Engine:
             max_overflow=POOL_SIZE,
             json_serializer=json_dumps,
         )
-        _configure_sqlite(engine, _WriterLock(file))
+        _configure_sqlite(engine, _WriterLock(file), sqlite_synchronous)
         return engine
     return create_engine(
         url,
@@ -130,7 +138,10 @@ class _WriterLock:
         self._threads.release()
 
 
-def _configure_sqlite(engine: Engine, writer: _WriterLock) -> None:
+def _configure_sqlite(engine: Engine, writer: _WriterLock, synchronous: str) -> None:
+    if synchronous.lower() not in {"full", "normal"}:
+        raise ValueError(f"sqlite synchronous must be full or normal, not {synchronous!r}")
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # the driver must not BEGIN on its own; we do below
@@ -139,7 +150,7 @@ def _configure_sqlite(engine: Engine, writer: _WriterLock) -> None:
             "journal_mode=WAL",
             f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}",
             "foreign_keys=ON",
-            "synchronous=NORMAL",
+            f"synchronous={synchronous.upper()}",
         ):
             cursor.execute(f"PRAGMA {pragma}")
         cursor.close()
@@ -182,9 +193,9 @@ def _configure_sqlite(engine: Engine, writer: _WriterLock) -> None:
 class Database:
     """One engine plus the two session flavours the API and the reconciler use."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, sqlite_synchronous: str = "full") -> None:
         self.url = url
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, sqlite_synchronous)
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write = sessionmaker(
             self.engine.execution_options(**{_WRITE_OPTION: True}), expire_on_commit=False
@@ -228,6 +239,26 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+    with engine.connect() as connection:
+        sqlite = connection.dialect.name == "sqlite"
+        if sqlite:
+            _sqlite_foreign_keys(connection, on=False)
+        try:
+            with connection.begin():
+                config.attributes["connection"] = connection
+                command.upgrade(config, revision)
+                if sqlite and connection.exec_driver_sql("PRAGMA foreign_key_check").first():
+                    raise RuntimeError("migration left rows whose foreign keys dangle")
+        finally:
+            if sqlite:
+                _sqlite_foreign_keys(connection, on=True)
+
+
+def _sqlite_foreign_keys(connection: Any, *, on: bool) -> None:
+    """Switch SQLite's foreign keys outside any transaction (inside one the pragma is a no-op).
+
+    Off while migrating: SQLite alters a table by copying it and dropping the original, and
+    with foreign keys on, that DROP deletes the rows first, cascading to every child table
+    (a run's attempts, events, tokens…). Checked with `foreign_key_check` before the commit."""
+    driver = connection.connection.driver_connection
+    driver.execute(f"PRAGMA foreign_keys={'ON' if on else 'OFF'}")

@@ -182,6 +182,10 @@ class Base(DeclarativeBase):
 
 class Run(Base):
     __tablename__ = "runs"
+    # An Idempotency-Key is the caller's own: the same key from two owners names two runs.
+    __table_args__ = (
+        Index("uq_runs_owner_idempotency_key", "owner", "idempotency_key", unique=True),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(64), index=True)
@@ -189,9 +193,14 @@ class Run(Base):
     state: Mapped[RunState] = mapped_column(_enum(RunState), index=True)
     state_reason: Mapped[str | None] = mapped_column(Text)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
-    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
     request_hash: Mapped[str | None] = mapped_column(String(64))
-    created_by: Mapped[str | None] = mapped_column(String(64))
+    created_by: Mapped[str | None] = mapped_column(String(64), doc="The submitting token's id.")
+    owner: Mapped[str] = mapped_column(
+        String(64),
+        default="",
+        doc="The submitting principal (its token's owner); '' when none: only admin may write.",
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     current_attempt: Mapped[int] = mapped_column(Integer, default=0)
@@ -303,6 +312,9 @@ class Token(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(64))
+    owner: Mapped[str] = mapped_column(
+        String(64), doc="The principal (person or team) its runs belong to; default: the name."
+    )
     scopes: Mapped[list[Any]] = mapped_column(default=list)
     hash: Mapped[str] = mapped_column(String(64), unique=True)
     run_id: Mapped[str | None] = mapped_column(

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Executor = Literal["auto", "slurm", "local"]
+SqliteSynchronous = Literal["full", "normal"]
 
 
 class Settings(BaseModel):
@@ -23,6 +24,10 @@ class Settings(BaseModel):
     home: Path = Field(default_factory=lambda: Path.home() / ".nightwatch")
     database_url: str | None = Field(
         default=None, description="SQLAlchemy URL; None means SQLite at $home/nightwatch.db."
+    )
+    sqlite_synchronous: SqliteSynchronous = Field(
+        default="full",
+        description="full: an acknowledged write survives power loss; normal: faster, may not.",
     )
     prometheus_url: str | None = Field(
         default=None, description="None means scrape the workers' /metrics directly."
@@ -35,6 +40,9 @@ class Settings(BaseModel):
     executor: Executor = "auto"
     token_cache_seconds: float = Field(
         default=10.0, ge=0, description="How long a resolved token is trusted (revocation lag)."
+    )
+    max_body_bytes: int = Field(
+        default=1024 * 1024, ge=1, description="Larger request bodies are refused with 413."
     )
     host: str = "127.0.0.1"
     port: int = Field(default=8787, ge=0, le=65535)
@@ -74,6 +82,8 @@ class Settings(BaseModel):
             "token_cache_seconds": "NIGHTWATCH_TOKEN_CACHE_SECONDS",
             "workers": "NIGHTWATCH_WORKERS",
             "job_python": "NIGHTWATCH_JOB_PYTHON",
+            "max_body_bytes": "NIGHTWATCH_MAX_BODY_BYTES",
+            "sqlite_synchronous": "NIGHTWATCH_SQLITE_SYNCHRONOUS",
         }
         values: dict[str, object] = {
             field: env[var] for field, var in names.items() if env.get(var)

@@ -22,8 +22,9 @@ import shlex
 import signal as _signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -366,10 +367,10 @@ class SlurmCluster:
         return out.stdout
 
     def submit(self, request: JobRequest, fn: Callable[[], object]) -> Submission:
-        request.log_dir.mkdir(parents=True, exist_ok=True)
         executor = slurm_executor(request)
         try:
-            job = executor.submit(fn)
+            with private_submission(request.log_dir):
+                job = executor.submit(fn)
         except (subprocess.SubprocessError, OSError, submitit.core.utils.FailedJobError) as exc:
             raise SourceUnavailable(f"sbatch failed: {exc}") from exc
         log.info("submitted", extra={"job_id": job.job_id})
@@ -583,6 +584,31 @@ def detect_slurm(slurm_conf: str | Path | None = None, timeout_s: float = 3.0) -
     return out.returncode == 0 and "UP" in out.stdout
 
 
+#: Everything a submission creates is the supervisor user's alone (dirs 0700, files 0600).
+PRIVATE_UMASK = 0o077
+_umask_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def private_submission(log_dir: Path) -> Iterator[None]:
+    """The submission folder, private: submitit's pickles hold the task, and the task holds the
+    job's environment, the run's worker token among it.
+
+    `log_dir` is made (or tightened to) 0700, and the umask is 077 while submitit writes its
+    pickles and starts the job: sbatch hands that umask to the job (SLURM_UMASK) and a local
+    job inherits it, so the job's logs are private too. The umask is process-wide, so other
+    threads' files created meanwhile are private as well (never less so); the lock keeps two
+    submissions from restoring each other's umask."""
+    with _umask_lock:
+        previous = os.umask(PRIVATE_UMASK)
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            log_dir.chmod(0o700)
+            yield
+        finally:
+            os.umask(previous)
+
+
 # ------------------------------------------------------------------ local
 class LocalCluster:
     """One node, N processes, through submitit's LocalExecutor (no SLURM on the machine).
@@ -602,7 +628,6 @@ class LocalCluster:
     def submit(self, request: JobRequest, fn: Callable[[], object]) -> Submission:
         if request.nodes != 1:
             raise Unsupported(f"the local executor runs one node, not {request.nodes}")
-        request.log_dir.mkdir(parents=True, exist_ok=True)
         executor = submitit.LocalExecutor(folder=request.log_dir / "%j")
         executor.update_parameters(
             tasks_per_node=request.tasks_per_node,
@@ -610,7 +635,8 @@ class LocalCluster:
             signal_delay_s=request.signal_delay_s,
             stderr_to_stdout=True,
         )
-        job = executor.submit(fn)
+        with private_submission(request.log_dir):
+            job = executor.submit(fn)
         self._jobs[job.job_id] = (job, request.log_dir / job.job_id)
         self._tasks[job.job_id] = request.tasks_per_node * request.ranks_per_task
         return Submission(job_id=job.job_id, log_dir=request.log_dir / job.job_id)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Row, func, insert, select, update
+from sqlalchemy import Row, func, insert, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -66,13 +66,20 @@ class IdempotencyConflict(Conflict):
 
 
 def create_token(
-    session: Session, name: str, scopes: Iterable[Scope], run_id: str | None = None
+    session: Session,
+    name: str,
+    scopes: Iterable[Scope],
+    run_id: str | None = None,
+    owner: str | None = None,
 ) -> tuple[Token, str]:
-    """Create a token and return it with its secret, which is never stored or shown again."""
+    """Create a token and return it with its secret, which is never stored or shown again.
+
+    `owner`: the principal its runs belong to (a person or team; default: the name)."""
     secret = new_secret()
     token = Token(
         id=f"t-{secrets.token_hex(6)}",
         name=name,
+        owner=owner or name,
         scopes=sorted({Scope(s).value for s in scopes}),
         hash=hash_secret(secret),
         run_id=run_id,
@@ -88,12 +95,35 @@ def token_for_secret(session: Session, secret: str) -> Token | None:
     return None if token is None or token.revoked else token
 
 
-def revoke_token(session: Session, token_id: str) -> None:
-    if session.execute(update(Token).where(Token.id == token_id).values(revoked=True)).rowcount:
-        session.commit()
-        return
-    session.rollback()
-    raise NotFound(f"token {token_id} not found")
+def list_tokens(session: Session) -> Sequence[Token]:
+    """Every token, oldest first (secrets are never stored, so none can be shown)."""
+    return session.scalars(select(Token).order_by(Token.created_at, Token.id)).all()
+
+
+def revoke_token(session: Session, name_or_id: str) -> list[Token]:
+    """Revoke the token with this id, else every live token with this name; returns them.
+
+    Idempotent: a token already revoked is found by its id and stays revoked."""
+    tokens = session.scalars(select(Token).where(Token.id == name_or_id)).all() or (
+        session.scalars(
+            select(Token).where(Token.name == name_or_id, Token.revoked.is_(False))
+        ).all()
+    )
+    if not tokens:
+        session.rollback()
+        raise NotFound(f"no token named {name_or_id!r} or with that id")
+    for token in tokens:
+        token.revoked = True
+    session.commit()
+    return list(tokens)
+
+
+def _revoke_run_tokens(session: Session, run_id: str) -> None:
+    """A run that ended needs no worker: its per-run tokens stop working (in the caller's
+    transaction, so the run is never terminal while its tokens live)."""
+    session.execute(
+        update(Token).where(Token.run_id == run_id, Token.revoked.is_(False)).values(revoked=True)
+    )
 
 
 # ---------------------------------------------------------------- runs
@@ -111,13 +141,14 @@ def create_run(
     *,
     created_by: str | None = None,
     idempotency_key: str | None = None,
+    owner: str = "",
 ) -> tuple[Run, bool]:
     """Persist a new pending run in a transaction of its own; returns (run, created).
 
-    A retry with the same Idempotency-Key returns the first run (created False); the same key
-    with another spec raises IdempotencyConflict."""
+    A retry with the same Idempotency-Key (and owner) returns the first run (created False);
+    the same key with another spec raises IdempotencyConflict."""
     try:
-        (outcome,) = add_runs(session, [NewRun(spec, created_by, idempotency_key)])
+        (outcome,) = add_runs(session, [NewRun(spec, created_by, idempotency_key, owner)])
         if isinstance(outcome, IdempotencyConflict):
             raise outcome
         row, created = outcome
@@ -136,6 +167,7 @@ class NewRun:
     spec: RunSpec
     created_by: str | None = None
     idempotency_key: str | None = None
+    owner: str = ""
 
 
 def add_runs(
@@ -144,31 +176,35 @@ def add_runs(
     """Add pending runs to the session's transaction (the caller commits); per request, the
     run's columns and whether this request created it, or the key's conflict.
 
-    A retry with the same Idempotency-Key gets the first run (created False), the same key with
-    another spec an IdempotencyConflict. Three statements whatever the batch size: one
-    INSERT of every run (a key already taken does nothing, and the unique index decides, so
-    there is no check-then-insert race), one SELECT of the runs holding the keys that lost,
-    one INSERT of the creation events. A retry within the batch is answered like one after it.
+    A key belongs to its owner: the same key from two owners makes two runs, and a conflict
+    only ever names the owner's own run. A retry with the same (owner, key) gets the first run
+    (created False), the same key with another spec an IdempotencyConflict. Three statements
+    whatever the batch size: one INSERT of every run (a key already taken does nothing, and the
+    unique index decides, so there is no check-then-insert race), one SELECT of the runs
+    holding the keys that lost, one INSERT of the creation events. A retry within the batch is
+    answered like one after it.
     """
     table = Run.__table__
     rows = [_new_run_row(r) for r in requests]
-    first_by_key: dict[str, dict[str, Any]] = {}
+    first_by_key: dict[tuple[str, str], dict[str, Any]] = {}
     fresh = []
     for row in rows:
-        key = row["idempotency_key"]
+        key = _scoped_key(row)
         if key is None or key not in first_by_key:
             fresh.append(row)
             if key is not None:
                 first_by_key[key] = row
     connection = session.connection()
     insert_runs = _dialect_insert(session)(table).on_conflict_do_nothing(
-        index_elements=[table.c.idempotency_key]
+        index_elements=[table.c.owner, table.c.idempotency_key]
     )  # executed with a list of rows: one multi-row INSERT, its SQL compiled once and cached
     created = set(connection.execute(insert_runs.returning(table.c.id), fresh).scalars())
     holders = {k: row for k, row in first_by_key.items() if row["id"] in created}
     if lost := [k for k in first_by_key if k not in holders]:
-        taken = connection.execute(select(table).where(table.c.idempotency_key.in_(lost)))
-        holders |= {r.idempotency_key: r._asdict() for r in taken}
+        taken = connection.execute(
+            select(table).where(tuple_(table.c.owner, table.c.idempotency_key).in_(lost))
+        )
+        holders |= {(r.owner, r.idempotency_key): r._asdict() for r in taken}
     if created:
         connection.execute(
             insert(Event.__table__),
@@ -183,13 +219,18 @@ def add_runs(
         if row["id"] in created:
             outcomes.append((row, True))
             continue
-        holder = holders[row["idempotency_key"]]
+        holder = holders[_scoped_key(row)]
         if holder["request_hash"] != row["request_hash"]:
             message = f"Idempotency-Key already used for run {holder['id']} with another spec"
             outcomes.append(IdempotencyConflict(message))
         else:
             outcomes.append((holder, False))
     return outcomes
+
+
+def _scoped_key(row: dict[str, Any]) -> tuple[str, str] | None:
+    key = row["idempotency_key"]
+    return None if key is None else (row["owner"], key)
 
 
 def _new_run_row(request: NewRun) -> dict[str, Any]:
@@ -204,6 +245,7 @@ def _new_run_row(request: NewRun) -> dict[str, Any]:
         "idempotency_key": request.idempotency_key,
         "request_hash": spec_hash(spec),
         "created_by": request.created_by,
+        "owner": request.owner,
         "created_at": now,
         "updated_at": now,
         "current_attempt": 0,
@@ -320,6 +362,8 @@ def transition_run(
     if result.rowcount != 1:
         session.rollback()
         return False
+    if new.terminal:
+        _revoke_run_tokens(session, run_id)
     message = f"{current.value} → {new.value}" + (f": {reason}" if reason else "")
     _event(
         session,

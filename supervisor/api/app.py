@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from supervisor.api import errors
+from supervisor.api.limits import BodyLimit
 from supervisor.api.principals import PrincipalCache
 from supervisor.api.routes import health, report, runs, specs, workers
 from supervisor.api.submissions import SubmissionWriter
@@ -53,7 +54,7 @@ def create_app(
 
     `metrics_dir`: this is one of several worker processes (`supervisor.api.workers_mode`),
     and /metrics merges the metric files there."""
-    db = database or Database(settings.db_url)
+    db = database or Database(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
 
     submissions = SubmissionWriter(db)
 
@@ -87,7 +88,8 @@ def create_app(
     errors.install(app)
     for module in (runs, specs, workers, health, report):
         app.include_router(module.router)
-    app.add_middleware(RequestObserver)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestObserver)  # outermost: the access log sees every answer
     return app
 
 

@@ -14,8 +14,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from supervisor import store
 from supervisor.api.principals import Principal, PrincipalCache, resolve
-from supervisor.auth import Scope, allows
+from supervisor.auth import RunWrite, Scope, allows, run_write_refusal
 from supervisor.db import Database
 
 
@@ -91,3 +92,22 @@ def require(scope: Scope) -> Callable[..., Awaitable[Principal]]:
 
 ReadToken = Annotated[Principal, Depends(require(Scope.READ))]
 SubmitToken = Annotated[Principal, Depends(require(Scope.SUBMIT))]
+
+
+def authorize_run_write(session: Session, caller: Principal, run_id: str, write: RunWrite) -> None:
+    """403 unless the caller may make `write` to the run (404 when there is no such run).
+
+    Reads the run through `session`, so in a write session the check and the write see the
+    same row; a later `store.get_run` of it is answered from the session, not the database."""
+    run = store.get_run(session, run_id)
+    refusal = run_write_refusal(
+        write,
+        scopes=caller.scopes,
+        owner=caller.owner,
+        token_run_id=caller.run_id,
+        run_id=run_id,
+        run_owner=run.owner,
+    )
+    if refusal is not None:
+        session.rollback()
+        raise HTTPException(403, f"token {caller.name!r}: {refusal}")

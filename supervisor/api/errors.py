@@ -24,7 +24,8 @@ from supervisor.store import Conflict, IdempotencyConflict, NotFound
 log = logging.getLogger("nightwatch.api")
 
 _CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-          405: "method_not_allowed", 409: "conflict", 415: "unsupported_media_type",
+          405: "method_not_allowed", 409: "conflict", 413: "content_too_large",
+          415: "unsupported_media_type",
           422: "invalid", 503: "unavailable"}  # fmt: skip
 
 
@@ -55,6 +56,10 @@ def _field(loc: Sequence[Any]) -> str:
 
 async def _validation(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    if undecodable := [e for e in exc.errors() if e.get("type") == "json_invalid"]:
+        error = (undecodable[0].get("ctx") or {}).get("error", "decode error")
+        position = _field(undecodable[0].get("loc", ()))  # ("body", character offset)
+        return error_response(400, f"body is not valid JSON: {error} (character {position})")
     problems = [
         {"field": _field(e.get("loc", ())), "message": str(e.get("msg", "invalid")),
          "severity": "error"}

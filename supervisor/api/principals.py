@@ -22,6 +22,7 @@ MAX_ENTRIES = 10_000
 class Principal:
     token_id: str
     name: str
+    owner: str
     scopes: tuple[str, ...]
     run_id: str | None
 
@@ -49,4 +50,4 @@ def resolve(session: Session, secret: str) -> Principal | None:
     token = store.token_for_secret(session, secret)
     if token is None:
         return None
-    return Principal(token.id, token.name, tuple(token.scopes), token.run_id)
+    return Principal(token.id, token.name, token.owner, tuple(token.scopes), token.run_id)

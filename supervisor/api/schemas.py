@@ -62,7 +62,8 @@ class RunOut(BaseModel):
     resume_step: int | None
     skip_ranges: list[Any] = Field(validation_alias="skip_ranges_json")
     excluded_nodes: list[Any] = Field(validation_alias="excluded_nodes_json")
-    created_by: str | None
+    created_by: str | None = Field(description="Id of the token that submitted it.")
+    owner: str = Field(description="Who may cancel it besides admin ('' for no one).")
     created_at: datetime
     updated_at: datetime
     spec: dict[str, Any] = Field(validation_alias="spec_json")

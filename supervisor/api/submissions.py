@@ -34,6 +34,7 @@ class _Pending:
     spec: RunSpec
     created_by: str | None
     idempotency_key: str | None
+    owner: str
     result: Future[tuple[RunOut, bool]] = field(default_factory=Future)
 
 
@@ -49,10 +50,15 @@ class SubmissionWriter:
         self._thread: threading.Thread | None = None
 
     async def submit(
-        self, spec: RunSpec, *, created_by: str | None, idempotency_key: str | None
+        self,
+        spec: RunSpec,
+        *,
+        created_by: str | None,
+        idempotency_key: str | None,
+        owner: str = "",
     ) -> tuple[RunOut, bool]:
         """(the run as the API shows it, whether this request created it)."""
-        pending = _Pending(spec, created_by, idempotency_key)
+        pending = _Pending(spec, created_by, idempotency_key, owner)
         self._ensure_started()
         self._queue.put(pending)
         return await asyncio.wrap_future(pending.result)
@@ -105,7 +111,7 @@ class SubmissionWriter:
     def _write(self, batch: list[_Pending]) -> None:
         if not batch:
             return
-        requests = [store.NewRun(p.spec, p.created_by, p.idempotency_key) for p in batch]
+        requests = [store.NewRun(p.spec, p.created_by, p.idempotency_key, p.owner) for p in batch]
         try:
             with self.db.write_session() as session:
                 outcomes = store.add_runs(session, requests)

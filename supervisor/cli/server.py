@@ -24,7 +24,7 @@ def _upgraded_database() -> Database:
     from supervisor.db import Database
 
     settings = local_settings()
-    db = Database(settings.db_url)
+    db = Database(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
     try:
         db.upgrade()
     except SQLAlchemyError as exc:
@@ -122,10 +122,18 @@ def db_upgrade() -> None:
     typer.echo(f"database {db.engine.url.render_as_string(hide_password=True)} is up to date")
 
 
+#: tokens.name and tokens.owner are String(64).
+MAX_TOKEN_NAME = 64
+
+
 @token_app.command("create")
 def token_create(
     name: Annotated[str, typer.Option(help="Who uses it, e.g. ci")],
     scope: Annotated[list[str], typer.Option(help="read, submit or admin; repeatable")],
+    owner: Annotated[
+        str | None,
+        typer.Option(help="Person or team its runs belong to (default: the name)"),
+    ] = None,
     run: Annotated[str | None, typer.Option(help="Restrict to one run (worker tokens)")] = None,
 ) -> None:
     """Create a token and print it once (only its hash is stored)."""
@@ -136,14 +144,50 @@ def token_create(
         scopes = [Scope(s) for s in scope]
     except ValueError:
         fail(f"unknown scope in {scope}; use read, submit or admin")
+    for option, value in (("--name", name), ("--owner", owner)):
+        if value is not None and not 1 <= len(value) <= MAX_TOKEN_NAME:
+            fail(f"{option} must be 1 to {MAX_TOKEN_NAME} characters")
     from sqlalchemy.exc import IntegrityError
 
     db = _upgraded_database()
     with db.write_session() as session:
         try:
-            token, secret = store.create_token(session, name, scopes, run_id=run)
+            token, secret = store.create_token(session, name, scopes, run_id=run, owner=owner)
         except IntegrityError:
             fail(f"run {run} not found")
-    typer.echo(f"created token {token.id} ({name}: {', '.join(token.scopes)}); "
-               "it is shown only once:", err=True)  # fmt: skip
+    typer.echo(f"created token {token.id} ({name}, owner {token.owner}: "
+               f"{', '.join(token.scopes)}); it is shown only once:", err=True)  # fmt: skip
     typer.echo(secret)
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """Every token: id, name, owner, scopes, run, created, revoked (never a secret)."""
+    from supervisor import store
+
+    db = _upgraded_database()
+    with db.session() as session:
+        tokens = store.list_tokens(session)
+    typer.echo("id\tname\towner\tscopes\trun\tcreated\trevoked")
+    for t in tokens:
+        typer.echo(
+            f"{t.id}\t{t.name}\t{t.owner}\t{','.join(t.scopes)}\t{t.run_id or '-'}\t"
+            f"{t.created_at.isoformat(timespec='seconds')}\t{'yes' if t.revoked else 'no'}"
+        )
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token: Annotated[str, typer.Argument(help="A token id (t-…), or a name: all its live tokens")],
+) -> None:
+    """Revoke tokens; the API stops accepting them within its token cache time."""
+    from supervisor import store
+
+    db = _upgraded_database()
+    with db.write_session() as session:
+        try:
+            revoked = store.revoke_token(session, token)
+        except store.NotFound as exc:
+            fail(str(exc))
+    for t in revoked:
+        typer.echo(f"revoked token {t.id} ({t.name}, owner {t.owner})")

@@ -121,7 +121,7 @@ def test_bad_specs_are_422_naming_field_and_numbers(client: TestClient, tokens: 
     body = submit(client, tokens, typo).json()
     assert {p["field"] for p in body["problems"]} >= {"model.num_layers", "model.num_layer"}
 
-    for raw in (b"{not json", b"[]", b"null"):
+    for raw in (b"[]", b"null"):  # JSON, but not a spec
         response = client.post(
             "/v1/runs",
             content=raw,
@@ -130,6 +130,53 @@ def test_bad_specs_are_422_naming_field_and_numbers(client: TestClient, tokens: 
         assert response.status_code == 422, raw
         assert response.json()["error"] == "invalid"
     assert client.get("/v1/runs", headers=tokens.headers()).json()["total"] == 0
+
+
+def test_undecodable_json_is_400_with_a_message(client: TestClient, tokens: Tokens) -> None:
+    """docs/api.md: a body that is not JSON is 400 (FastAPI's default is 422)."""
+    for path in ("/v1/runs", "/v1/specs/validate"):
+        response = client.post(
+            path,
+            content=b'{"name": "x",',
+            headers={**tokens.headers(), "Content-Type": "application/json"},
+        )
+        assert response.status_code == 400, path
+        body = response.json()
+        assert body["error"] == "bad_request"
+        assert body["message"].startswith("body is not valid JSON: ")
+
+
+def test_bodies_over_the_limit_are_413_declared_or_streamed(
+    database: Database, tokens: Tokens, tmp_path: Path
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from supervisor.api.app import create_app
+    from supervisor.settings import Settings
+
+    limit = len(json.dumps(TINY_SPEC)) + 10
+    app = create_app(
+        Settings(home=tmp_path, max_body_bytes=limit),
+        database=database,
+        registry=CollectorRegistry(),
+    )
+    padded = {**TINY_SPEC, "name": "x" * 64}  # still a valid name, now over the limit
+    headers = {**tokens.headers(), "Content-Type": "application/json"}
+    with TestClient(app) as c:
+        assert c.post("/v1/runs", json=TINY_SPEC, headers=tokens.headers()).status_code == 201
+        declared = c.post("/v1/runs", content=json.dumps(padded).encode(), headers=headers)
+        streamed = c.post(
+            "/v1/runs", content=iter([json.dumps(padded).encode()[:limit], b"x" * 20]),
+            headers=headers,
+        )  # fmt: skip
+        for response in (declared, streamed):
+            assert response.status_code == 413
+            assert response.json() == {
+                "error": "content_too_large",
+                "message": f"request body exceeds {limit} bytes",
+                "problems": [],
+            }
+        assert c.get("/v1/runs", headers=tokens.headers("read")).json()["total"] == 1
 
 
 def test_validate_reports_layout_without_submitting(client: TestClient, tokens: Tokens) -> None:
@@ -290,7 +337,7 @@ def test_openapi_has_examples_and_security(client: TestClient) -> None:
     post = schema["paths"]["/v1/runs"]["post"]
     examples = post["requestBody"]["content"]["application/json"]["examples"]
     assert examples["tiny"]["value"]["name"] == "tiny-cpu"
-    assert {"201", "200", "401", "403", "409", "422"} <= set(post["responses"])
+    assert {"201", "200", "400", "401", "403", "409", "422"} <= set(post["responses"])
     assert "HTTPBearer" in schema["components"]["securitySchemes"]
 
 

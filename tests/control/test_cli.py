@@ -89,6 +89,36 @@ def test_db_upgrade_and_token_create_work_locally(tmp_path: Path) -> None:
     assert "unknown scope" in one_line_error(bad)
 
 
+def test_token_list_and_revoke_by_id_or_name(tmp_path: Path) -> None:
+    env = {"NIGHTWATCH_HOME": str(tmp_path / "home"), "NIGHTWATCH_DATABASE_URL": ""}
+    ci = invoke(
+        "token", "create", "--name", "ci", "--scope", "submit", "--owner", "vision", env=env
+    )
+    ops = invoke("token", "create", "--name", "ops", "--scope", "admin", env=env)
+    secrets_ = [ci.stdout.strip(), ops.stdout.strip()]
+    ci_id = ci.stderr.split("created token ")[1].split()[0]
+
+    listed = invoke("token", "list", env=env)
+    assert listed.exit_code == 0
+    header, *rows = [line.split("\t") for line in listed.stdout.splitlines()]
+    assert header == ["id", "name", "owner", "scopes", "run", "created", "revoked"]
+    assert [(r[0] == ci_id, r[1], r[2], r[3], r[4], r[6]) for r in rows] == [
+        (True, "ci", "vision", "submit", "-", "no"),
+        (False, "ops", "ops", "admin", "-", "no"),
+    ]
+    assert not any(secret in listed.stdout for secret in secrets_)
+
+    assert invoke("token", "revoke", ci_id, env=env).stdout.startswith(f"revoked token {ci_id}")
+    assert invoke("token", "revoke", "ops", env=env).exit_code == 0
+    revoked = [line.split("\t")[6] for line in invoke("token", "list", env=env).stdout.splitlines()]
+    assert revoked[1:] == ["yes", "yes"]
+    assert "no token named 'nobody'" in one_line_error(invoke("token", "revoke", "nobody", env=env))
+    too_long = invoke(
+        "token", "create", "--name", "x", "--scope", "read", "--owner", "o" * 65, env=env
+    )
+    assert "--owner must be 1 to 64 characters" in one_line_error(too_long)
+
+
 def test_unreachable_database_is_one_line(tmp_path: Path) -> None:
     env = {"NIGHTWATCH_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none"}
     assert "database" in one_line_error(invoke("db", "upgrade", env=env))

@@ -33,6 +33,57 @@ def test_migrations_create_exactly_the_models(database: Database) -> None:
     database.upgrade()  # idempotent
 
 
+def test_owner_migration_keeps_every_row_and_backfills_owners(
+    database: Database, spec: RunSpec
+) -> None:
+    """0002 rebuilds `runs` on SQLite: that must not cascade-delete its children, and existing
+    runs belong to their token's owner (or to no one)."""
+    from sqlalchemy import text
+
+    from supervisor.db import upgrade
+
+    with database.engine.begin() as conn:
+        for table in reversed(Base.metadata.sorted_tables):
+            conn.execute(table.delete())
+    _downgrade(database, "0001")
+    now = "2026-11-27 00:00:00+00:00"
+    run = "INSERT INTO runs VALUES (:id, 'n', '{}', 'running', NULL, false, :key, 'h', :by, "
+    run += f"'{now}', '{now}', 1, '[]', '[]', 10, NULL, NULL)"
+    with database.engine.begin() as conn:
+        conn.execute(
+            text(f"INSERT INTO tokens VALUES ('t-1', 'ci', '[]', 'h1', NULL, '{now}', false)")
+        )
+        conn.execute(text(run), {"id": "r-1", "key": "k", "by": "t-1"})
+        conn.execute(text(run), {"id": "r-2", "key": None, "by": None})
+        conn.execute(
+            text("INSERT INTO attempts (run_id, number, executor, nodes_json, state, "
+                 f"submitted_at, skip_ranges_json, exclude_json) VALUES ('r-1', 1, 'local', "
+                 f"'[]', 'running', '{now}', '[]', '[]')")
+        )  # fmt: skip
+    upgrade(database.engine)
+    with database.session() as s:
+        assert [(r.id, r.owner) for r in store.list_runs(s).items] == [("r-2", ""), ("r-1", "ci")]
+        assert len(store.get_attempts(s, "r-1")) == 1
+        assert [t.owner for t in store.list_tokens(s)] == ["ci"]
+    with database.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        if database.is_sqlite:
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+
+
+def _downgrade(database: Database, revision: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    from supervisor.db import MIGRATIONS_DIR
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with database.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, revision)
+
+
 def test_same_key_same_spec_is_one_run_other_spec_conflicts(
     database: Database, spec: RunSpec
 ) -> None:
@@ -44,6 +95,27 @@ def test_same_key_same_spec_is_one_run_other_spec_conflicts(
         with pytest.raises(store.IdempotencyConflict, match=first.id):
             store.create_run(s, other, idempotency_key="k")
         assert store.list_runs(s).total == 1
+
+
+def test_idempotency_keys_are_per_owner_within_a_batch_and_after_it(
+    database: Database, spec: RunSpec
+) -> None:
+    other = spec.model_copy(update={"name": "other"})
+    with database.write_session() as s:
+        first = store.add_runs(
+            s, [store.NewRun(spec, "t-a", "k", "a"), store.NewRun(spec, "t-b", "k", "b")]
+        )
+        s.commit()
+        (a, a_created), (b, b_created) = first  # type: ignore[misc]
+        assert a_created and b_created and a["id"] != b["id"]
+        again = store.add_runs(
+            s, [store.NewRun(other, "t-b", "k", "b"), store.NewRun(spec, "t-a2", "k", "a")]
+        )
+        s.commit()
+    conflict, (replay, replay_created) = again  # type: ignore[misc]
+    assert isinstance(conflict, store.IdempotencyConflict)
+    assert b["id"] in str(conflict) and a["id"] not in str(conflict)
+    assert replay["id"] == a["id"] and not replay_created
 
 
 def test_a_batch_answers_each_request_like_a_request_of_its_own(
@@ -224,3 +296,29 @@ def test_sqlite_write_lock_is_shared_by_threads_and_freed_on_every_path(tmp_path
         assert s.scalar(count) == 16 * 20
     assert time.perf_counter() - t0 < 5
     db.dispose()
+
+
+def test_sqlite_acknowledged_writes_are_durable_by_default(tmp_path: Path) -> None:
+    """synchronous=FULL on every connection (in WAL, each commit syncs the log), unless the
+    operator trades durability for speed (NIGHTWATCH_SQLITE_SYNCHRONOUS=normal)."""
+    from supervisor.settings import Settings
+
+    url = f"sqlite:///{tmp_path / 'nightwatch.db'}"
+    assert Settings().sqlite_synchronous == "full"
+    assert Settings.from_env({"NIGHTWATCH_SQLITE_SYNCHRONOUS": "normal"}).sqlite_synchronous == (
+        "normal"
+    )
+    for level, expected in ((None, 2), ("normal", 1), ("full", 2)):  # PRAGMA's numbers
+        db = Database(url) if level is None else Database(url, sqlite_synchronous=level)
+        sessions = [db.session(), db.write_session(), db.request_read_session()]
+        try:
+            for session in sessions:
+                conn = session.connection()
+                assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == expected
+                assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        finally:
+            for session in sessions:
+                session.close()
+            db.dispose()
+    with pytest.raises(ValueError, match="full or normal"):
+        Database(url, sqlite_synchronous="off")

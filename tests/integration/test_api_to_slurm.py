@@ -4,13 +4,15 @@ attempt, its job id and nodes, and the checkpoints."""
 
 from __future__ import annotations
 
+import stat
 import time
 
 import pytest
 from sqlalchemy import select
 
-from supervisor.models import Checkpoint
+from supervisor.models import Checkpoint, Endpoint, Token
 from supervisor.slurm import JobState
+from supervisor.watchdog.actions import attempt_log_dir
 
 from .conftest import Stack, tiny_spec
 
@@ -43,8 +45,19 @@ def test_tp2_pp2_run_through_the_api_succeeds_on_two_nodes(stack: Stack) -> None
     try:
         with db.session() as s:
             ckpts = s.scalars(select(Checkpoint).where(Checkpoint.run_id == run_id)).all()
+            endpoints = s.scalars(select(Endpoint).where(Endpoint.run_id == run_id)).all()
+            worker_tokens = s.scalars(select(Token).where(Token.run_id == run_id)).all()
     finally:
         db.dispose()
     steps = sorted(c.step for c in ckpts if c.complete)
     assert steps[-1] == 20 and {5, 10, 15} & set(steps), steps
     assert all(c.loss is not None and c.consumed_samples == c.step * 2 for c in ckpts)
+    # each node registered its endpoint with the run's worker token, revoked once it ended
+    assert sorted(e.node for e in endpoints) == sorted(attempt["nodes"])
+    assert [t.revoked for t in worker_tokens] == [True]
+    # submitit's pickles carry the worker token: sbatch and the job kept the folder private
+    log_dir = attempt_log_dir(stack.home, run_id, 1)
+    files = [p for p in log_dir.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".pkl" for p in files) and any(p.suffix == ".out" for p in files)
+    assert stat.S_IMODE(log_dir.stat().st_mode) == 0o700
+    assert [p for p in files if stat.S_IMODE(p.stat().st_mode) & 0o077] == []

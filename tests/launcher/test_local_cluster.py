@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import signal
+import stat
 from pathlib import Path
 
 import psutil
@@ -11,6 +14,7 @@ import pytest
 
 from supervisor import launcher
 from supervisor.slurm import (
+    JobRequest,
     JobState,
     LocalCluster,
     SlurmCluster,
@@ -107,3 +111,26 @@ def test_cancel_stops_tasks_that_ignore_sigint(tmp_path, toy_spec, toy_plan):
         for proc in [*tasks, controller]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
+
+
+def test_the_submission_folder_is_private_to_the_supervisor(tmp_path):
+    """submitit's pickles carry the job's environment, the worker token among it: the folder
+    is 0700 (a folder that existed is tightened) and every file in it 0600, whatever the
+    supervisor's umask; the umask is given back afterwards."""
+    log_dir = tmp_path / "logs" / "r-1" / "a1"
+    log_dir.mkdir(parents=True, mode=0o755)
+    log_dir.chmod(0o755)
+    request = JobRequest(job_name="private", log_dir=log_dir, nodes=1, tasks_per_node=1)
+    cluster = LocalCluster()
+    previous = os.umask(0o022)
+    try:
+        sub = cluster.submit(request, functools.partial(int, "0"))
+        assert os.umask(0o022) == 0o022
+    finally:
+        os.umask(previous)
+    wait_for(cluster, sub.job_id, lambda s: s.state.terminal, timeout_s=60)
+    assert stat.S_IMODE(log_dir.stat().st_mode) == 0o700
+    made = list(log_dir.rglob("*"))
+    assert any(p.suffix == ".pkl" for p in made), made
+    for path in made:
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path

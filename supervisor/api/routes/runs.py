@@ -18,7 +18,13 @@ from fastapi import (
 from pydantic import BaseModel
 
 from supervisor import store
-from supervisor.api.deps import ReadToken, SessionDep, SubmitToken, WriteSessionDep
+from supervisor.api.deps import (
+    ReadToken,
+    SessionDep,
+    SubmitToken,
+    WriteSessionDep,
+    authorize_run_write,
+)
 from supervisor.api.errors import LayoutRejected
 from supervisor.api.examples import SPEC_EXAMPLES
 from supervisor.api.schemas import (
@@ -34,6 +40,7 @@ from supervisor.api.schemas import (
     RunPage,
 )
 from supervisor.api.submissions import SubmissionWriter
+from supervisor.auth import RunWrite
 from supervisor.layout import layout_report
 from supervisor.models import RunState
 from supervisor.spec import RunSpec
@@ -41,7 +48,7 @@ from supervisor.spec import RunSpec
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorBody, "description": "Body is not decodable JSON"},
     401: {"model": ErrorBody, "description": "Missing or unknown token"},
-    403: {"model": ErrorBody, "description": "Token lacks the scope"},
+    403: {"model": ErrorBody, "description": "Token lacks the scope, or the run is not its own"},
     422: {"model": ErrorBody, "description": "Invalid input; `problems` names the fields"},
 }
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
@@ -66,7 +73,10 @@ RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])
             },
         },
         200: {"model": RunOut, "description": "Retry of an earlier request with the same key"},
-        409: {"model": ErrorBody, "description": "Idempotency-Key reused with another spec"},
+        409: {
+            "model": ErrorBody,
+            "description": "Idempotency-Key reused by its owner with another spec",
+        },
     },
 )
 async def submit_run(
@@ -96,7 +106,7 @@ async def submit_run(
         raise LayoutRejected(report.errors)
     writer: SubmissionWriter = request.app.state.submissions
     run, created = await writer.submit(
-        spec, created_by=caller.token_id, idempotency_key=idempotency_key
+        spec, created_by=caller.token_id, idempotency_key=idempotency_key, owner=caller.owner
     )
     return _json(
         run,
@@ -144,8 +154,10 @@ def get_run(run_id: RunId, session: SessionDep, _: ReadToken) -> Any:
 @router.post("/{run_id}/cancel", response_model=RunOut, responses={
     **NOT_FOUND, 409: {"model": ErrorBody, "description": "Run already finished"}
 })  # fmt: skip
-def cancel_run(run_id: RunId, session: WriteSessionDep, _: SubmitToken) -> Any:
-    """Cancel: immediate for a pending run, otherwise `cancel_requested` for the reconciler."""
+def cancel_run(run_id: RunId, session: WriteSessionDep, caller: SubmitToken) -> Any:
+    """Cancel: immediate for a pending run, otherwise `cancel_requested` for the reconciler.
+    Only the run's owner or admin may (never a worker token)."""
+    authorize_run_write(session, caller, run_id, RunWrite.CANCEL)
     return store.request_cancel(session, run_id)
 
 

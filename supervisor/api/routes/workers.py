@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Response, status
+from fastapi import APIRouter, Path, Response, status
 
 from supervisor import store
-from supervisor.api.deps import ReadToken, SessionDep, SubmitToken, WriteSessionDep
+from supervisor.api.deps import (
+    ReadToken,
+    SessionDep,
+    SubmitToken,
+    WriteSessionDep,
+    authorize_run_write,
+)
 from supervisor.api.routes.runs import ERRORS, NOT_FOUND, RunId
 from supervisor.api.schemas import MAX_ATTEMPT, NODE_PATTERN, EndpointIn, TargetGroup
+from supervisor.auth import RunWrite
 
 router = APIRouter(tags=["workers"], responses=ERRORS)
 
@@ -28,9 +35,9 @@ def register_endpoint(
     session: WriteSessionDep,
     caller: SubmitToken,
 ) -> Response:
-    """Called by local rank 0 of each node at start and every 10 s (the heartbeat)."""
-    if caller.run_id is not None and caller.run_id != run_id:
-        raise HTTPException(403, f"token {caller.name!r} belongs to another run")
+    """Called by local rank 0 of each node at start and every 10 s (the heartbeat), with the
+    run's worker token; the run's owner or admin may too."""
+    authorize_run_write(session, caller, run_id, RunWrite.REGISTER_ENDPOINT)
     store.register_endpoint(session, run_id, attempt, node, body.host, body.port)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
