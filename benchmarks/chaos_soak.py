@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     db_name = f"nw_soak_{seed}_{os.getpid()}"
     try:
         db_url = create_database(db_name)
-        supervisor = Supervisor(out / "home", db_url, cluster.prometheus_url, cluster.slurm_conf)
+        supervisor = Supervisor(
+            out / "home", db_url, cluster.prometheus_url, cluster.slurm_conf, args.out / "data"
+        )
         tokens = {
             "admin": supervisor.token("soak", [Scope.ADMIN]),
             "read": supervisor.token("prometheus", [Scope.READ]),

@@ -18,6 +18,7 @@ from fastapi import (
 from pydantic import BaseModel
 
 from supervisor import store
+from supervisor.api.admission import admit
 from supervisor.api.deps import ReadToken, SessionDep, SubmitToken, WriteSessionDep
 from supervisor.api.errors import LayoutRejected
 from supervisor.api.examples import SPEC_EXAMPLES
@@ -66,7 +67,16 @@ RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])
             },
         },
         200: {"model": RunOut, "description": "Retry of an earlier request with the same key"},
-        409: {"model": ErrorBody, "description": "Idempotency-Key reused with another spec"},
+        403: {
+            "model": ErrorBody,
+            "description": "Token lacks the scope, or the spec has "
+            "faults / node draining and the token is not admin",
+        },
+        409: {
+            "model": ErrorBody,
+            "description": "Idempotency-Key reused with another spec, "
+            "or checkpoint.dir in use by another run",
+        },
     },
 )
 async def submit_run(
@@ -91,6 +101,7 @@ async def submit_run(
     together."""
     if caller.run_id is not None:
         raise HTTPException(403, "a per-run worker token cannot submit runs")
+    spec = await admit(spec, caller, request.app.state.settings)
     report = layout_report(spec)
     if not report.ok:
         raise LayoutRejected(report.errors)
