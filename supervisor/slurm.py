@@ -443,6 +443,7 @@ class SlurmCluster:
         squeue fails). Both failing raises `SourceUnavailable`: "none found" is only ever said
         by a source that answered.
         """
+        _checked(check_job_name, job_name)
         ids: set[str] = set()
         try:
             ids.update(

@@ -131,6 +131,8 @@ def test_sbatch_parameters_refuse_what_the_spec_would(field: str) -> None:
         sbatch_parameters(JobRequest("nw-r-a1", Path("/tmp/x"), 1, 1, exclude=("n1;id",)))
     with pytest.raises(InvalidRequest):
         SlurmCluster().drain("n1 state=RESUME", "why")
+    with pytest.raises(InvalidRequest):
+        SlurmCluster().find_jobs("nw-r-a1 --user=root")
 
 
 def test_valid_spec_renders_intact_sbatch_directives(tmp_path: Path) -> None:
