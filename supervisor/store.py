@@ -120,10 +120,10 @@ def create_run(
     """Persist a new pending run in a transaction of its own; returns (run, created).
 
     A retry with the same Idempotency-Key returns the first run (created False); the same key
-    with another spec raises IdempotencyConflict."""
+    with another spec raises IdempotencyConflict, a checkpoint.dir in use CheckpointDirInUse."""
     try:
         (outcome,) = add_runs(session, [NewRun(spec, created_by, idempotency_key)])
-        if isinstance(outcome, IdempotencyConflict):
+        if isinstance(outcome, Conflict):  # the key's, or the checkpoint folder's
             raise outcome
         row, created = outcome
         run = session.get_one(Run, row["id"])  # before the commit, which ends the write lock

@@ -220,3 +220,5 @@ def test_one_batch_never_hands_one_folder_to_two_runs(database: Database, tmp_pa
         s.commit()
     assert isinstance(outcomes[0], tuple) and outcomes[0][1] is True
     assert all(isinstance(o, store.CheckpointDirInUse) for o in outcomes[1:])
+    with database.write_session() as s, pytest.raises(store.CheckpointDirInUse):
+        store.create_run(s, nested)
