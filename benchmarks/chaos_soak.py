@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"seed {seed} · {mode.train_steps} steps · systems {', '.join(mode.systems)}")
     say(schedule.render() if schedule else "clean soak: no faults")
     (out / "schedule.json").write_text(schedule.to_json() if schedule else "{}")
-    data = prepare_data(args.out / "data", 4096)
+    data_dir = (args.out / "data").resolve()  # specs take absolute paths only
+    data = prepare_data(data_dir, 4096)
     spec = soak_spec(mode, schedule, data)
     clean_spec = {**spec, "faults": []}
     supervisor = None
@@ -275,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     db_name = f"nw_soak_{seed}_{os.getpid()}"
     try:
         db_url = create_database(db_name)
-        supervisor = Supervisor(out / "home", db_url, cluster.prometheus_url, cluster.slurm_conf)
+        supervisor = Supervisor(
+            out / "home", db_url, cluster.prometheus_url, cluster.slurm_conf, data_dir
+        )
         tokens = {
             "admin": supervisor.token("soak", [Scope.ADMIN]),
             "read": supervisor.token("prometheus", [Scope.READ]),

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Executor = Literal["auto", "slurm", "local"]
 SqliteSynchronous = Literal["full", "normal"]
@@ -57,6 +57,35 @@ class Settings(BaseModel):
         default=(),
         description="Shell lines each SLURM job runs before its task (module load, activate).",
     )
+    checkpoint_roots: tuple[Path, ...] = Field(
+        default=(), description="Folders a spec's checkpoint.dir must lie inside; () = home."
+    )
+    data_roots: tuple[Path, ...] = Field(
+        default=(), description="Folders data.prefix and data.tokenizer must lie inside; () = home."
+    )
+    allow_fault_injection: bool = Field(
+        default=False,
+        description="Let `submit` tokens send specs with `faults` (else admin only).",
+    )
+    allow_node_drain: bool = Field(
+        default=False,
+        description="Let `submit` tokens set recovery.drain_excluded_nodes (else admin only).",
+    )
+
+    @field_validator("checkpoint_roots", "data_roots")
+    @classmethod
+    def _absolute(cls, roots: tuple[Path, ...]) -> tuple[Path, ...]:
+        if relative := [str(r) for r in roots if not r.is_absolute()]:
+            raise ValueError(f"roots must be absolute paths: {relative}")
+        return roots
+
+    @property
+    def checkpoint_root_dirs(self) -> tuple[Path, ...]:
+        return self.checkpoint_roots or (self.home,)
+
+    @property
+    def data_root_dirs(self) -> tuple[Path, ...]:
+        return self.data_roots or (self.home,)
 
     @property
     def db_url(self) -> str:
@@ -84,6 +113,8 @@ class Settings(BaseModel):
             "job_python": "NIGHTWATCH_JOB_PYTHON",
             "max_body_bytes": "NIGHTWATCH_MAX_BODY_BYTES",
             "sqlite_synchronous": "NIGHTWATCH_SQLITE_SYNCHRONOUS",
+            "allow_fault_injection": "NIGHTWATCH_ALLOW_FAULT_INJECTION",
+            "allow_node_drain": "NIGHTWATCH_ALLOW_NODE_DRAIN",
         }
         values: dict[str, object] = {
             field: env[var] for field, var in names.items() if env.get(var)
@@ -91,4 +122,9 @@ class Settings(BaseModel):
         if env.get("NIGHTWATCH_JOB_SETUP"):
             # One shell line per line of the variable.
             values["job_setup"] = tuple(env["NIGHTWATCH_JOB_SETUP"].splitlines())
+        roots = {"checkpoint_roots": "NIGHTWATCH_CHECKPOINT_ROOTS",
+                 "data_roots": "NIGHTWATCH_DATA_ROOTS"}  # fmt: skip
+        for field, var in roots.items():
+            if env.get(var):  # os.pathsep-separated, like PATH
+                values[field] = tuple(p for p in env[var].split(os.pathsep) if p)
         return cls.model_validate(values)

@@ -32,6 +32,8 @@ from typing import Protocol
 import psutil
 import submitit
 
+from supervisor.slurm_names import check_job_name, check_node_name, check_slurm_name
+
 log = logging.getLogger("nightwatch.slurm")
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -45,6 +47,18 @@ class SourceUnavailable(RuntimeError):
 
 class Unsupported(RuntimeError):
     """The cluster kind cannot do this (e.g. draining a node of the local executor)."""
+
+
+class InvalidRequest(Unsupported):
+    """A string bound for sbatch or scontrol breaks its pattern (`supervisor.slurm_names`):
+    never sent. The spec refuses such strings; this guards anything stored before it did."""
+
+
+def _checked(check: Callable[[str], str], value: str) -> str:
+    try:
+        return check(value)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 class JobState(enum.StrEnum):
@@ -434,6 +448,7 @@ class SlurmCluster:
         squeue fails). Both failing raises `SourceUnavailable`: "none found" is only ever said
         by a source that answered.
         """
+        _checked(check_job_name, job_name)
         ids: set[str] = set()
         try:
             ids.update(
@@ -495,9 +510,11 @@ class SlurmCluster:
         self._run(["scancel", f"--signal={sig}", job_id])
 
     def drain(self, node: str, reason: str) -> None:
+        _checked(check_node_name, node)
         self._run(["scontrol", "update", f"nodename={node}", "state=DRAIN", f"reason={reason}"])
 
     def resume_node(self, node: str) -> None:
+        _checked(check_node_name, node)
         self._run(["scontrol", "update", f"nodename={node}", "state=RESUME"])
 
     def nodes(self) -> dict[str, NodeInfo]:
@@ -523,9 +540,13 @@ def render_sbatch(request: JobRequest) -> str:
 
 
 def sbatch_parameters(request: JobRequest) -> dict[str, object]:
-    """submitit SlurmExecutor parameters for a request (pure; tested without SLURM)."""
+    """submitit SlurmExecutor parameters for a request (pure; tested without SLURM).
+
+    Every string here becomes an `#SBATCH` line of a bash script, so each is checked against
+    its pattern (`supervisor.slurm_names`) whatever checked it before: InvalidRequest otherwise.
+    """
     params: dict[str, object] = {
-        "job_name": request.job_name,
+        "job_name": _checked(check_job_name, request.job_name),
         "nodes": request.nodes,
         "ntasks_per_node": request.tasks_per_node,
         "cpus_per_task": request.cpus_per_task,
@@ -545,9 +566,9 @@ def sbatch_parameters(request: JobRequest) -> dict[str, object]:
     for name in ("partition", "account", "qos"):
         value = getattr(request, name)
         if value:
-            params[name] = value
+            params[name] = _checked(check_slurm_name, value)
     if request.exclude:
-        params["exclude"] = ",".join(request.exclude)
+        params["exclude"] = ",".join(_checked(check_node_name, n) for n in request.exclude)
     return params
 
 

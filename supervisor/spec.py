@@ -10,17 +10,51 @@ sections at once (world size, divisibility, memory) live in `supervisor.layout` 
 from __future__ import annotations
 
 import json
+import posixpath
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from supervisor.slurm_names import (
+    MAX_EXCLUDED_NODES,
+    MAX_HOSTLIST_CHARS,
+    NODE_NAME_PATTERN,
+    SLURM_NAME_PATTERN,
+    expand_nodes,
+)
 
 # Upper bounds keep every number storable in a 64-bit column and every estimate finite; they are
 # far beyond any real run, so they only ever reject garbage (e.g. a fuzzer's 10**40 layers).
 _MAX_INT = 2**40
 PositiveInt = Annotated[int, Field(gt=0, le=_MAX_INT)]
 NonNegativeInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
+#: Partition, account, QOS: they become `#SBATCH` lines (`supervisor.slurm_names`).
+SlurmName = Annotated[str, Field(pattern=SLURM_NAME_PATTERN)]
+NodeName = Annotated[str, Field(pattern=NODE_NAME_PATTERN)]
+HostlistExpression = Annotated[
+    str, Field(min_length=1, max_length=MAX_HOSTLIST_CHARS, pattern=r"^[A-Za-z0-9_.,\[\]-]+$")
+]
+MAX_PATH_CHARS = 4096
+MAX_FAULTS = 64
+
+
+def _clean_path(value: str) -> str:
+    """Shape only (no filesystem here): absolute, printable, no `..`, normalised. Where the
+    path may point is the server's business (`supervisor.roots`)."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError("a path may not hold NUL or control characters")
+    if not value.startswith("/"):
+        raise ValueError("must be an absolute path")
+    if ".." in value.split("/"):
+        raise ValueError("a path may not hold '..' components")
+    return "/" + posixpath.normpath(value).lstrip("/")  # normpath keeps a leading "//"
+
+
+SpecPath = Annotated[
+    str, Field(min_length=1, max_length=MAX_PATH_CHARS), AfterValidator(_clean_path)
+]
 
 
 class _Strict(BaseModel):
@@ -93,13 +127,22 @@ class ResourcesSpec(_Strict):
         description="Host memory per node (sbatch --mem); None: the partition's default.",
     )
     exclusive: bool = Field(default=False, description="Whole nodes only (sbatch --exclusive).")
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
+    partition: SlurmName | None = None
+    account: SlurmName | None = None
+    qos: SlurmName | None = None
     time_limit_minutes: PositiveInt = Field(
         default=24 * 60, description="Walltime of one attempt; longer runs chain attempts."
     )
-    exclude: list[str] = Field(default_factory=list)
+    exclude: list[HostlistExpression] = Field(
+        default_factory=list,
+        max_length=MAX_EXCLUDED_NODES,
+        description="Node names or SLURM hostlist expressions (`n[01-04]`); stored expanded.",
+    )
+
+    @field_validator("exclude")
+    @classmethod
+    def _expand_exclude(cls, value: list[str]) -> list[str]:
+        return expand_nodes(value)
 
     @property
     def world_size(self) -> int:
@@ -137,8 +180,8 @@ class DataSpec(_Strict):
     `prefix` None means the built-in demo corpus prepared on first use under NIGHTWATCH_HOME.
     """
 
-    prefix: str | None = None
-    tokenizer: str | None = Field(default=None, description="tokenizer.json of the dataset.")
+    prefix: SpecPath | None = None
+    tokenizer: SpecPath | None = Field(default=None, description="tokenizer.json of the dataset.")
 
 
 class CheckpointSpec(_Strict):
@@ -151,7 +194,7 @@ class CheckpointSpec(_Strict):
         "a rollback needs one from before a fault the watchdog saw seconds later, which "
         "keep_last alone rotates out when steps are fast.",
     )
-    dir: str | None = Field(
+    dir: SpecPath | None = Field(
         default=None, description="Default: $NIGHTWATCH_HOME/runs/<run id>/checkpoints."
     )
     async_save: bool = False
@@ -228,7 +271,7 @@ class NodeFault(_Strict):
     """
 
     kind: Literal["node"] = "node"
-    node: str | None = None
+    node: NodeName | None = None
     job_node: NonNegativeInt | None = Field(
         default=None,
         description="The job's Nth node (rank order) at the first strike; the node is then "
@@ -279,7 +322,9 @@ class RunSpec(_Strict):
     data: DataSpec = DataSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     recovery: RecoverySpec = RecoverySpec()
-    faults: list[Fault] = Field(default_factory=list, description="Test-only fault injection.")
+    faults: list[Fault] = Field(
+        default_factory=list, max_length=MAX_FAULTS, description="Test-only fault injection."
+    )
 
     def layout_problems(self) -> list[str]:
         from supervisor.layout import layout_errors

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Row, func, insert, select, tuple_, update
+from sqlalchemy import Row, func, insert, or_, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -43,6 +43,7 @@ from supervisor.models import (
     can_transition,
     utcnow,
 )
+from supervisor.roots import ancestors, overlaps
 from supervisor.spec import RunSpec
 
 
@@ -59,6 +60,10 @@ class Conflict(StoreError):
 
 
 class IdempotencyConflict(Conflict):
+    pass
+
+
+class CheckpointDirInUse(Conflict):
     pass
 
 
@@ -146,10 +151,11 @@ def create_run(
     """Persist a new pending run in a transaction of its own; returns (run, created).
 
     A retry with the same Idempotency-Key (and owner) returns the first run (created False);
-    the same key with another spec raises IdempotencyConflict."""
+    the same key with another spec raises IdempotencyConflict, a checkpoint.dir in use
+    CheckpointDirInUse."""
     try:
         (outcome,) = add_runs(session, [NewRun(spec, created_by, idempotency_key, owner)])
-        if isinstance(outcome, IdempotencyConflict):
+        if isinstance(outcome, Conflict):  # the key's, or the checkpoint folder's
             raise outcome
         row, created = outcome
         run = session.get_one(Run, row["id"])  # before the commit, which ends the write lock
@@ -172,7 +178,7 @@ class NewRun:
 
 def add_runs(
     session: Session, requests: Sequence[NewRun]
-) -> list[tuple[dict[str, Any], bool] | IdempotencyConflict]:
+) -> list[tuple[dict[str, Any], bool] | Conflict]:
     """Add pending runs to the session's transaction (the caller commits); per request, the
     run's columns and whether this request created it, or the key's conflict.
 
@@ -182,23 +188,27 @@ def add_runs(
     whatever the batch size: one INSERT of every run (a key already taken does nothing, and the
     unique index decides, so there is no check-then-insert race), one SELECT of the runs
     holding the keys that lost, one INSERT of the creation events. A retry within the batch is
-    answered like one after it.
+    answered like one after it. A run whose checkpoint.dir another run uses is refused
+    (`CheckpointDirInUse`).
     """
     table = Run.__table__
     rows = [_new_run_row(r) for r in requests]
+    connection = session.connection()
+    refused = _checkpoint_dirs_in_use(connection, rows)
     first_by_key: dict[tuple[str, str], dict[str, Any]] = {}
     fresh = []
     for row in rows:
         key = _scoped_key(row)
-        if key is None or key not in first_by_key:
-            fresh.append(row)
-            if key is not None:
-                first_by_key[key] = row
-    connection = session.connection()
+        if row["id"] in refused or (key is not None and key in first_by_key):
+            continue
+        fresh.append(row)
+        if key is not None:
+            first_by_key[key] = row
     insert_runs = _dialect_insert(session)(table).on_conflict_do_nothing(
         index_elements=[table.c.owner, table.c.idempotency_key]
     )  # executed with a list of rows: one multi-row INSERT, its SQL compiled once and cached
-    created = set(connection.execute(insert_runs.returning(table.c.id), fresh).scalars())
+    returning = insert_runs.returning(table.c.id)
+    created = set(connection.execute(returning, fresh).scalars()) if fresh else set()
     holders = {k: row for k, row in first_by_key.items() if row["id"] in created}
     if lost := [k for k in first_by_key if k not in holders]:
         taken = connection.execute(
@@ -214,8 +224,11 @@ def add_runs(
                 for run_id in sorted(created)
             ],
         )  # fmt: skip
-    outcomes: list[tuple[dict[str, Any], bool] | IdempotencyConflict] = []
+    outcomes: list[tuple[dict[str, Any], bool] | Conflict] = []
     for row in rows:
+        if row["id"] in refused:
+            outcomes.append(CheckpointDirInUse("checkpoint.dir is in use by another run"))
+            continue
         if row["id"] in created:
             outcomes.append((row, True))
             continue
@@ -231,6 +244,49 @@ def add_runs(
 def _scoped_key(row: dict[str, Any]) -> tuple[str, str] | None:
     key = row["idempotency_key"]
     return None if key is None else (row["owner"], key)
+
+
+def _checkpoint_dirs_in_use(connection: Any, rows: list[dict[str, Any]]) -> set[str]:
+    """Ids of the new runs whose checkpoint.dir is, holds or lies inside another run's (any
+    state: a finished run's checkpoints are its product), stored or earlier in this batch.
+
+    Two runs in one folder resume from and prune each other's checkpoints. The paths are
+    resolved before they are stored (`supervisor.roots`); default folders live under
+    `$NIGHTWATCH_HOME/runs`, where no spec may point. A retry of a stored run (same
+    Idempotency-Key and owner) is not refused for the folder it already holds. PostgreSQL serializes
+    these checks with a transaction-scoped advisory lock; SQLite writers are serial already.
+    """
+    wanted = [(row, row["spec_json"]["checkpoint"]["dir"]) for row in rows]
+    wanted = [(row, folder) for row, folder in wanted if folder is not None]
+    if not wanted:
+        return set()
+    if connection.dialect.name == "postgresql":
+        connection.execute(select(func.pg_advisory_xact_lock(_CHECKPOINT_DIR_LOCK)))
+    column = Run.__table__.c.spec_json[("checkpoint", "dir")].as_string()
+    refused: set[str] = set()
+    taken: list[tuple[tuple[str, str] | None, str]] = []  # (scoped key, folder) of this batch
+    table = Run.__table__
+    for row, folder in wanted:
+        key = _scoped_key(row)
+        clash = select(table.c.owner, table.c.idempotency_key).where(
+            or_(
+                column.in_([folder, *ancestors(folder)]),
+                func.substr(column, 1, len(folder) + 1) == folder + "/",
+            )
+        )
+        holders = {
+            None if k is None else (owner, k) for owner, k in connection.execute(clash).all()
+        }
+        holders |= {k for k, other in taken if overlaps(folder, other)}
+        if holders - {key} or (holders and key is None):
+            refused.add(row["id"])
+        else:
+            taken.append((key, folder))
+    return refused
+
+
+#: pg_advisory_xact_lock key of the checkpoint.dir check (any constant unique to it).
+_CHECKPOINT_DIR_LOCK = 0x6E77636B  # "nwck"
 
 
 def _new_run_row(request: NewRun) -> dict[str, Any]:

@@ -146,6 +146,8 @@ class Supervisor:
     database_url: str
     prometheus_url: str
     slurm_conf: Path
+    #: Where the soak's prepared corpus lives (outside home): the API's data root.
+    data_root: Path | None = None
     port: int = field(default_factory=free_port)
     tick_seconds: float = 2.0
     proc: subprocess.Popen[bytes] | None = None
@@ -155,8 +157,10 @@ class Supervisor:
         return f"http://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
+        roots = {"NIGHTWATCH_DATA_ROOTS": str(self.data_root)} if self.data_root else {}
         return {
             **os.environ,
+            **roots,
             "NIGHTWATCH_HOME": str(self.home),
             "NIGHTWATCH_DATABASE_URL": self.database_url,
             "NIGHTWATCH_PROMETHEUS_URL": self.prometheus_url,

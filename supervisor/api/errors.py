@@ -37,6 +37,11 @@ class LayoutRejected(Exception):
         self.problems = list(problems)
 
 
+class SpecRejected(LayoutRejected):
+    """The spec parses but asks for something this server does not allow (a path outside
+    the operator's roots)."""
+
+
 def error_response(
     status: int,
     message: str,
@@ -77,6 +82,14 @@ async def _layout(_: Request, exc: Exception) -> JSONResponse:
     return error_response(422, f"layout cannot run: {exc}", problems)
 
 
+async def _spec(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, SpecRejected)
+    problems = [
+        {"field": p.field, "message": p.message, "severity": p.severity} for p in exc.problems
+    ]
+    return error_response(422, f"invalid request: {exc}", problems)
+
+
 async def _http(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
@@ -97,6 +110,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(SpecRejected, _spec)
     app.add_exception_handler(LayoutRejected, _layout)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(NotFound, _not_found)

@@ -46,7 +46,8 @@ def tokens(database: Database) -> Tokens:
 
 @pytest.fixture
 def app_settings(tmp_path: Path) -> Settings:
-    return Settings(home=tmp_path / "home")
+    """Home in the test's folder; examples/ read their corpora from /datasets (a data root)."""
+    return Settings(home=tmp_path / "home", data_roots=(tmp_path / "home", Path("/datasets")))
 
 
 @pytest.fixture

@@ -131,6 +131,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
             "NIGHTWATCH_PUBLIC_URL": api, "NIGHTWATCH_PROMETHEUS_URL": prometheus,
             "NIGHTWATCH_EXECUTOR": "local", "NIGHTWATCH_TICK_SECONDS": "1",
             "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+            # the on-call token is `submit`; this server lets it inject the scenario's fault
+            "NIGHTWATCH_ALLOW_FAULT_INJECTION": "true",
         }  # fmt: skip
         log = stack.enter_context((tmp / "supervisor.log").open("w"))
         proc = subprocess.Popen(

@@ -18,6 +18,7 @@ from fastapi import (
 from pydantic import BaseModel
 
 from supervisor import store
+from supervisor.api.admission import admit
 from supervisor.api.deps import (
     ReadToken,
     SessionDep,
@@ -73,9 +74,15 @@ RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])
             },
         },
         200: {"model": RunOut, "description": "Retry of an earlier request with the same key"},
+        403: {
+            "model": ErrorBody,
+            "description": "Token lacks the scope, or the spec has "
+            "faults / node draining and the token is not admin",
+        },
         409: {
             "model": ErrorBody,
-            "description": "Idempotency-Key reused by its owner with another spec",
+            "description": "Idempotency-Key reused by its owner with another spec, "
+            "or checkpoint.dir in use by another run",
         },
     },
 )
@@ -101,6 +108,7 @@ async def submit_run(
     together."""
     if caller.run_id is not None:
         raise HTTPException(403, "a per-run worker token cannot submit runs")
+    spec = await admit(spec, caller, request.app.state.settings)
     report = layout_report(spec)
     if not report.ok:
         raise LayoutRejected(report.errors)

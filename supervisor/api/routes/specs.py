@@ -12,6 +12,7 @@ from supervisor.api.routes.runs import ERRORS
 from supervisor.api.schemas import LayoutOut
 from supervisor.layout import layout_report
 from supervisor.preview import sbatch_preview
+from supervisor.roots import confine
 from supervisor.spec import RunSpec
 
 router = APIRouter(prefix="/v1/specs", tags=["specs"], responses=ERRORS)
@@ -27,8 +28,13 @@ def validate_spec(
         Query(description="`sbatch`: also show what the first attempt would submit."),
     ] = None,
 ) -> Any:
-    """Always 200 for a well-formed spec: `ok` says whether it can run, `problems` why not."""
-    report = layout_report(spec).as_dict()
+    """Always 200 for a well-formed spec: `ok` says whether it can run, `problems` why not
+    (a path outside this server's roots among them)."""
+    settings = request.app.state.settings
+    spec, path_problems = confine(spec, settings)
+    report = layout_report(spec)
+    report.problems.extend(path_problems)
+    body = report.as_dict()
     if render == "sbatch":
-        report["sbatch"] = sbatch_preview(spec, request.app.state.settings)
-    return report
+        body["sbatch"] = sbatch_preview(spec, settings)
+    return body
