@@ -74,6 +74,13 @@ class FakeCluster:
     def find_jobs(self, job_name: str) -> list[str]:
         return [j for j, r in self.submitted if r.job_name == job_name]
 
+    def live_jobs(self, prefix: str) -> dict[str, str]:
+        return {
+            j: r.job_name
+            for j, r in self.submitted
+            if r.job_name.startswith(prefix) and self.states[j].state.active
+        }
+
     def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
         self.poll_calls += 1
         if self.down:
