@@ -337,9 +337,10 @@ class Actuator:
             self._finish(key, True, {}, f"[nightwatch] {ctx.run_id}: {remedy.reason}", **notify)
             return True
         if remedy.kind is RemedyKind.ESCALATE:
-            with self.db.write_session() as s:
-                # With the state change or not at all: a resumed escalation whose state
-                # change already committed (and its message with it) adds no second one.
+            # With the state change or not at all: a resumed escalation whose state change
+            # already committed (and its message with it) is rolled back, adding no second
+            # one (no autoflush: the message's row is written by the commit, if any).
+            with self.db.write_session() as s, s.no_autoflush:
                 text = f"[nightwatch] {ctx.run_id} NEEDS ATTENTION: {remedy.reason}"
                 self.notifier.enqueue(s, key, text, **notify)
                 store.transition_run(

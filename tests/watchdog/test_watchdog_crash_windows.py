@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import select, update
 from watchdog_curves import Faults, simulate
-from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource
+from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, Hook
 
 from supervisor import store
 from supervisor.db import Database
@@ -19,7 +19,10 @@ from supervisor.launcher import job_name
 from supervisor.models import Action, ActionState, Lease, Run, RunState
 from supervisor.slurm import JobRequest, JobState, SourceUnavailable
 from supervisor.spec import RunSpec
+from supervisor.watchdog.actions import ActContext, Actuator
+from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
+from supervisor.watchdog.snapshot import Remedy, RemedyKind
 
 
 def make(db: Database, tmp_path: Path, cluster: FakeCluster, source: FakeSource) -> Reconciler:
@@ -156,3 +159,52 @@ def test_a_terminal_run_never_keeps_a_live_job(db: Database, tmp_path: Path) -> 
     with db.session() as s:
         keys = [a.key for a in s.scalars(select(Action).where(Action.run_id == run_id))]
     assert f"{run_id}|1|cancel|{stray}" in keys
+
+
+def test_killed_during_an_escalation_the_webhook_is_still_sent(
+    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after the escalation committed, before its outcome: the next supervisor
+    finishes it and the webhook gets the message, once, with its idempotency id."""
+    hook = Hook()
+    try:
+        cluster, source = FakeCluster(), FakeSource()
+        notifier = Notifier(hook.url, db)
+        rec = Reconciler(
+            db, cluster, source, WatchdogConfig(home=tmp_path / "home", lease_ttl_s=60),
+            registry=CollectorRegistry(), notifier=notifier,
+        )  # fmt: skip
+        run_id = new_run(db)
+        rec.tick()
+        remedy = Remedy(RemedyKind.ESCALATE, "restart storm")
+        with monkeypatch.context() as m:
+            m.setattr(Actuator, "_finish", lambda *a, **k: (_ for _ in ()).throw(Crash()))
+            m.setattr(Notifier, "wake", lambda self: None)  # the process dies before it posts
+            with pytest.raises(Crash):
+                rec.actuator.apply(ActContext(run_id, 1, "100", True), remedy)
+        assert get_run(db, run_id).state is RunState.NEEDS_ATTENTION
+        assert hook.received == []
+        notifier.close()
+
+        again = Notifier(hook.url, db)
+        restarted = Reconciler(
+            db, cluster, source, WatchdogConfig(home=tmp_path / "home", lease_ttl_s=60),
+            registry=CollectorRegistry(), notifier=again,
+        )  # fmt: skip
+        expire_lease(db)
+        restarted.tick()
+        assert again.flush(10)
+        again.close()
+        key = f"{run_id}|1|escalate|{remedy.target}"
+        assert hook.received == [
+            {
+                "id": key,
+                "text": f"[nightwatch] {run_id} NEEDS ATTENTION: restart storm",
+                "run_id": run_id,
+                "attempt": 1,
+                "remedy": "escalate",
+            }
+        ]
+        assert unfinished(db, run_id) == []
+    finally:
+        hook.close()
