@@ -397,6 +397,7 @@ class Reconciler:
         result = TickResult(leader=self.lease.acquire())
         if not result.leader:
             return result
+        self.notifier.wake()  # the leader sends what is due, an earlier process's too
         try:
             self._tick(result, now)
         except Deposed as exc:  # another replica acts now; what this one began, it resumes

@@ -208,3 +208,26 @@ def test_killed_during_an_escalation_the_webhook_is_still_sent(
         assert unfinished(db, run_id) == []
     finally:
         hook.close()
+
+
+def test_a_message_left_in_the_outbox_is_sent_by_the_next_leader(
+    db: Database, tmp_path: Path
+) -> None:
+    """Killed after a remedy's outcome (and its message) committed, before the post."""
+    hook = Hook()
+    try:
+        run_id = new_run(db)
+        notifier = Notifier(hook.url, db)
+        with db.write_session() as s:
+            notifier.enqueue(s, f"{run_id}|1|restart|-", "[nightwatch] restarted", run_id=run_id)
+            s.commit()
+        rec = Reconciler(
+            db, FakeCluster(), FakeSource(), WatchdogConfig(home=tmp_path / "home"),
+            registry=CollectorRegistry(), notifier=notifier,
+        )  # fmt: skip
+        rec.tick()
+        assert notifier.flush(10)
+        notifier.close()
+        assert [m["id"] for m in hook.received] == [f"{run_id}|1|restart|-"]
+    finally:
+        hook.close()
