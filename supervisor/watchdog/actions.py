@@ -489,6 +489,14 @@ class Actuator:
         if key is not None:
             self._finish(key, True, {"job_id": job_id})
 
+    def close_leftover(self, key: str, kind: str, target: str) -> None:
+        """Finish an action a crash left unfinished on a run that ended: the cancel (its job
+        no longer live) or completion that ended it took effect; anything else is abandoned."""
+        if kind in (ActionKind.CANCEL.value, ActionKind.COMPLETE.value):
+            self._finish(key, True, {"job_id": None if target == "-" else target})
+        else:
+            self._finish(key, False, {"abandoned": "run ended"})
+
     def complete_run(self, run_id: str, attempt: int, step: int) -> None:
         key = self._begin(run_id, attempt, ActionKind.COMPLETE, str(step), {"step": step})
         if key is None:

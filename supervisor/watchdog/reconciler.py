@@ -484,12 +484,15 @@ class Reconciler:
         except SourceUnavailable as exc:
             log.warning(f"listing live jobs failed: {exc}")
             return
-        if not live:
-            return
         with self.db.session() as s:
             runs = strays.load_runs(s, live.values())
         for stray in strays.find_strays(live, runs):
             self.actuator.cancel_stray(stray.run_id, stray.attempt, stray.job_id, stray.reason)
+        with self.db.session() as s:
+            leftovers = strays.unfinished_on_ended_runs(s)
+        for key, kind, target in leftovers:
+            if kind != ActionKind.CANCEL.value or target not in live:
+                self.actuator.close_leftover(key, kind, target)
 
     def _export(self, result: TickResult, now: float) -> None:
         m = self.metrics

@@ -15,7 +15,7 @@ from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
 
 from supervisor.launcher import parse_job_name
-from supervisor.models import Attempt, Run, RunState
+from supervisor.models import TERMINAL_RUN_STATES, Action, ActionState, Attempt, Run, RunState
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,16 @@ def load_runs(session: Session, job_names: Iterable[str]) -> dict[str, RunJobs]:
         .where(Run.id.in_(ids))
     ).all()
     return {r.id: RunJobs(r.state, r.current_attempt, r.job_id) for r in rows}
+
+
+def unfinished_on_ended_runs(session: Session) -> list[tuple[str, str, str]]:
+    """(key, kind, target) of the actions a crash left unfinished on runs that ended: none is
+    resumed any more (a cancel cut between the run's state change and its outcome, or a
+    remedy whose run was cancelled before the cancel could abandon it)."""
+    rows = session.execute(
+        select(Action.key, Action.kind, Action.target)
+        .join(Run, Run.id == Action.run_id)
+        .where(Action.state == ActionState.INTENT, Run.state.in_(TERMINAL_RUN_STATES))
+        .order_by(Action.id)
+    ).all()
+    return [(r.key, r.kind, r.target) for r in rows]
