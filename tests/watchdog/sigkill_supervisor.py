@@ -52,8 +52,11 @@ OP_DELAY_S = 0.01
 class FileCluster:
     kind = "slurm"
 
-    def __init__(self, path: Path, home: Path, attempts: int, target: int) -> None:
+    def __init__(
+        self, path: Path, home: Path, attempts: int, target: int, crash_always: bool = False
+    ) -> None:
         self.path, self.home, self.attempts, self.target = path, home, attempts, target
+        self.crash_always = crash_always
 
     @contextmanager
     def _state(self) -> Iterator[dict[str, Any]]:
@@ -110,6 +113,8 @@ class FileCluster:
         return out
 
     def _end(self, job: dict[str, Any]) -> str:
+        if self.crash_always:
+            return JobState.FAILED.value
         ending = scripted_ending(job["attempt"], self.attempts)
         if ending is JobState.COMPLETED:
             write_target_checkpoint(self.home, job["run_id"], self.target)
@@ -190,6 +195,7 @@ def main() -> int:
     parser.add_argument("--tick", type=float, default=0.01, help="pause between ticks")
     parser.add_argument("--die-after-sbatch", action="store_true")
     parser.add_argument("--die-after-escalation", action="store_true")
+    parser.add_argument("--crash-always", action="store_true", help="every job FAILS (stand-in)")
     parser.add_argument("--webhook", help="where notifications are posted")
     args = parser.parse_args()
     if args.die_after_sbatch:
@@ -199,7 +205,9 @@ def main() -> int:
     db = Database(args.db_url)
     cluster: FileCluster | ScriptedSlurmCluster
     if args.state is not None:
-        cluster = FileCluster(args.state, args.home, args.attempts, args.target)
+        cluster = FileCluster(
+            args.state, args.home, args.attempts, args.target, crash_always=args.crash_always
+        )
     else:
         cluster = ScriptedSlurmCluster(
             args.slurm_conf, args.home, args.attempts, args.target, args.job_seconds

@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import select
 from watchdog_fakes import TINY_SPEC
@@ -115,13 +114,13 @@ class ScriptedSlurmCluster(SlurmCluster):
 
 
 # ------------------------------------------------------------------ kill and restart
-def new_run(folder: Path, spec: Mapping[str, Any] = SPEC) -> tuple[Database, str, str]:
+def new_run(folder: Path) -> tuple[Database, str, str]:
     """A migrated SQLite store in `folder` holding one pending trial run: (db, its URL, run id)."""
     db_url = f"sqlite:///{folder / 'nw.db'}"
     db = Database(db_url)
     db.upgrade()
     with db.write_session() as s:
-        run, _ = store.create_run(s, RunSpec.model_validate(spec))
+        run, _ = store.create_run(s, RunSpec.model_validate(SPEC))
     return db, db_url, run.id
 
 
