@@ -22,7 +22,7 @@ from supervisor.spec import RunSpec
 from supervisor.watchdog.lease import Deposed
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 
-TTL_S = 0.3
+TTL_S = 1.0  # the heartbeat renews every TTL/3: room for a loaded machine's scheduling
 
 
 @dataclass
@@ -62,8 +62,10 @@ def test_a_slow_submit_keeps_the_lease_and_makes_one_job(db: Database, tmp_path:
         blocked_until = lease_expiry(db)
         # The second replica ticks on while the first one's sbatch outlives the lease's TTL
         # twice over (the heartbeat renewed it): it never acts meanwhile.
+        paced = threading.Event()  # never set: paces the second replica's ticks
         while lease_expiry(db) < blocked_until + timedelta(seconds=2 * TTL_S):
             assert not second.tick().leader
+            paced.wait(TTL_S / 4)
     finally:
         cluster.release.set()
         ticking.join(60)
