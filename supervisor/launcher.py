@@ -9,6 +9,7 @@ side effect is `submit`, which hands the request to a `supervisor.slurm.Cluster`
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,8 +55,19 @@ class SubmitPlan:
     env: dict[str, str] = field(default_factory=dict)
 
 
+#: Every job Nightwatch submits is named `nw-<run id>-a<attempt>`: how a job the database
+#: never recorded (a submission cut short) is still found, adopted or cancelled.
+JOB_PREFIX = "nw-"
+
+
 def job_name(run_id: str, attempt: int) -> str:
-    return f"nw-{run_id}-a{attempt}"
+    return f"{JOB_PREFIX}{run_id}-a{attempt}"
+
+
+def parse_job_name(name: str) -> tuple[str, int] | None:
+    """`job_name`'s inverse: (run id, attempt), or None for a name that is not one of ours."""
+    match = re.fullmatch(rf"{re.escape(JOB_PREFIX)}(.+)-a(\d+)", name)
+    return (match[1], int(match[2])) if match else None
 
 
 def job_env(plan: SubmitPlan) -> dict[str, str]:

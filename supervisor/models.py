@@ -343,10 +343,30 @@ class Endpoint(Base):
 
 
 class Lease(Base):
-    """Who may act: the reconciler replica holding an unexpired lease."""
+    """Who may act: the reconciler replica holding an unexpired lease. `epoch` grows each
+    time the lease changes hands; every side effect is fenced with it (docs/contracts.md)."""
 
     __tablename__ = "leases"
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     holder: Mapped[str] = mapped_column(String(128))
     expires_at: Mapped[datetime]
+    epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class OutboxMessage(Base):
+    """A webhook notification, written in the transaction that decided it and kept until the
+    webhook accepted it (at least once: `key` is the idempotency id receivers dedupe on)."""
+
+    __tablename__ = "outbox"
+    __table_args__ = (Index("ix_outbox_due", "delivered_at", "next_try_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    key: Mapped[str] = mapped_column(String(255), unique=True)
+    run_id: Mapped[str | None] = mapped_column(String(32))
+    payload_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    tries: Mapped[int] = mapped_column(Integer, default=0)
+    next_try_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None]
+    last_error: Mapped[str | None] = mapped_column(Text)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import getpass
 import logging
 import os
 import re
@@ -324,6 +325,22 @@ def parse_job_ids(text: str) -> list[str]:
     return ids
 
 
+def parse_live_jobs(text: str, prefix: str) -> dict[str, str]:
+    """`squeue -o %i|%j|%T` → {job id: name} of the queued or running jobs named `prefix…`
+    (a COMPLETING job is already on its way out)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        job_id, sep, rest = line.strip().partition("|")
+        name, sep2, raw_state = rest.rpartition("|")
+        if not (sep and sep2) or not re.fullmatch(r"\d+(_\d+)?", job_id):
+            raise SourceUnavailable(f"unexpected squeue line: {line!r}")
+        if name.startswith(prefix) and raw_state != "COMPLETING" and parse_state(raw_state).active:
+            out[job_id] = name
+    return out
+
+
 def _job_sort_key(job_id: str) -> tuple[int, ...]:
     return tuple(int(p) for p in job_id.split("_"))
 
@@ -472,6 +489,12 @@ class SlurmCluster:
             return []
         ids.update(parse_job_ids(out))
         return sorted(ids, key=_job_sort_key)
+
+    def live_jobs(self, prefix: str) -> dict[str, str]:
+        """This user's jobs still queued or running whose name starts with `prefix`: id →
+        name, in one squeue call (the reconciler's sweep for jobs no run may have)."""
+        out = self._run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%j|%T"])
+        return parse_live_jobs(out, prefix)
 
     def finish_submission(self, job_id: str, log_dir: Path) -> bool:
         """Finish a submission cut short after sbatch accepted it: the supervisor died before
@@ -643,6 +666,7 @@ class LocalCluster:
 
     def __init__(self) -> None:
         self._jobs: dict[str, tuple[submitit.local.local.LocalJob, Path]] = {}
+        self._names: dict[str, str] = {}
         self._tasks: dict[str, int] = {}
         self._cancelled: set[str] = set()
 
@@ -659,6 +683,7 @@ class LocalCluster:
         with private_submission(request.log_dir):
             job = executor.submit(fn)
         self._jobs[job.job_id] = (job, request.log_dir / job.job_id)
+        self._names[job.job_id] = request.job_name
         self._tasks[job.job_id] = request.tasks_per_node * request.ranks_per_task
         return Submission(job_id=job.job_id, log_dir=request.log_dir / job.job_id)
 
@@ -708,6 +733,15 @@ class LocalCluster:
         psutil.wait_procs(procs, timeout=CANCEL_WAIT_S)
         with contextlib.suppress(subprocess.TimeoutExpired):  # then poll() says RUNNING still
             process.wait(timeout=CANCEL_WAIT_S)
+
+    def live_jobs(self, prefix: str) -> dict[str, str]:
+        """This process's running jobs named `prefix…` (a local job dies with its supervisor
+        only if its process group is killed; one left by an earlier process is not seen)."""
+        return {
+            job_id: name
+            for job_id, name in self._names.items()
+            if name.startswith(prefix) and self._status(job_id).state is JobState.RUNNING
+        }
 
     def requeue(self, job_id: str) -> None:
         raise Unsupported("the local executor cannot requeue; resubmit instead")

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Row, func, insert, or_, select, tuple_, update
+from sqlalchemy import ColumnElement, Row, case, func, insert, or_, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -605,9 +605,16 @@ def begin_action(
     kind: str,
     target: str,
     evidence: dict[str, Any],
+    *,
+    fence: Callable[[Session], None] | None = None,
 ) -> Action | None:
-    """Write the intent before acting; None when this action was already taken (replay)."""
+    """Write the intent before acting; None when this action was already taken (replay).
+
+    `fence` runs first in the same transaction (the lease check, which raises when this
+    replica may no longer act), so no intent is ever recorded by a deposed actor."""
     key = action_key(run_id, attempt, kind, target)
+    if fence is not None:
+        fence(session)
     action = Action(
         key=key,
         run_id=run_id,
@@ -646,6 +653,19 @@ def finish_action(session: Session, key: str, *, ok: bool, result: dict[str, Any
         **result,
     )
     session.commit()
+
+
+def abandon_actions(session: Session, run_id: str, reason: str) -> list[str]:
+    """Finish every unfinished action of a run that ended (cancelled): none of them may be
+    resumed any more. Each gets its outcome event; returns their keys."""
+    keys = list(
+        session.scalars(
+            select(Action.key).where(Action.run_id == run_id, Action.state == ActionState.INTENT)
+        )
+    )
+    for key in keys:
+        finish_action(session, key, ok=False, result={"abandoned": reason})
+    return keys
 
 
 def open_incident(
@@ -741,25 +761,60 @@ def active_endpoints(session: Session) -> Sequence[Endpoint]:
 # ---------------------------------------------------------------- leases
 
 
-def acquire_lease(session: Session, name: str, holder: str, ttl: timedelta) -> bool:
-    """Take or renew the named lease; True when `holder` holds it until now + ttl."""
-    now = utcnow()
-    expires = now + ttl
+def db_now(session: Session) -> ColumnElement[Any]:
+    """The database's clock, so replicas on hosts whose clocks differ agree on expiry.
+
+    PostgreSQL: now() (the transaction's start). SQLite: CURRENT_TIMESTAMP to the
+    millisecond (the plain keyword has whole seconds), in the text form SQLAlchemy stores
+    datetimes in, so the two compare as strings."""
+    if session.get_bind().dialect.name == "sqlite":
+        return func.strftime("%Y-%m-%d %H:%M:%f", "now")
+    return func.now()
+
+
+def _db_later(session: Session, delta: timedelta) -> ColumnElement[Any]:
+    if session.get_bind().dialect.name == "sqlite":
+        return func.strftime("%Y-%m-%d %H:%M:%f", "now", f"{delta.total_seconds():+.3f} seconds")
+    return func.now() + delta
+
+
+def acquire_lease(session: Session, name: str, holder: str, ttl: timedelta) -> int | None:
+    """Take or renew the named lease until the database's now + ttl; its epoch when `holder`
+    holds it, else None. The epoch grows whenever the lease changes hands."""
     taken = session.execute(
         update(Lease)
-        .where(Lease.name == name, (Lease.holder == holder) | (Lease.expires_at < now))
-        .values(holder=holder, expires_at=expires)
+        .where(Lease.name == name, (Lease.holder == holder) | (Lease.expires_at < db_now(session)))
+        .values(
+            holder=holder,
+            expires_at=_db_later(session, ttl),
+            epoch=case((Lease.holder == holder, Lease.epoch), else_=Lease.epoch + 1),
+        )
     ).rowcount
     if taken:
+        epoch = session.scalar(select(Lease.epoch).where(Lease.name == name))
         session.commit()
-        return True
+        return epoch
     if session.get(Lease, name) is not None:
         session.rollback()
-        return False
-    session.add(Lease(name=name, holder=holder, expires_at=expires))
+        return None
+    session.execute(
+        insert(Lease).values(name=name, holder=holder, epoch=1, expires_at=_db_later(session, ttl))
+    )
     try:
         session.commit()
     except IntegrityError:
         session.rollback()
-        return False
-    return True
+        return None
+    return 1
+
+
+def renew_lease(session: Session, name: str, holder: str, epoch: int, ttl: timedelta) -> bool:
+    """Extend the lease in the caller's transaction (no commit) if `holder` still holds it at
+    `epoch`; False when it changed hands. The row stays locked until the caller commits, so
+    a side effect's intent recorded in that transaction cannot race a new holder."""
+    renewed = session.execute(
+        update(Lease)
+        .where(Lease.name == name, Lease.holder == holder, Lease.epoch == epoch)
+        .values(expires_at=_db_later(session, ttl))
+    ).rowcount
+    return renewed == 1

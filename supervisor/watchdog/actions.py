@@ -3,6 +3,10 @@
 Every action is keyed (run, attempt, kind, target) in the actions table. The intent row, with
 its evidence, is written before anything happens and the outcome after, so:
 - a replay of a finished action is a no-op (the unique key refuses a second intent);
+- a replica that lost the lease cannot act: the intent is recorded under the lease's fence,
+  and every call that changes SLURM holds the lease while it runs (supervisor.watchdog.lease);
+- notifications are outbox rows committed with the outcome (or, for an escalation, with the
+  state change), so they are sent at least once (supervisor.watchdog.notify);
 - an unfinished one (the supervisor died mid-way) is resumed by running its steps again, and
   each step is itself idempotent: cancel only an active job, set-union skips and exclusions,
   and never submit attempt N twice (the submit sub-action has its own key, and a submission
@@ -11,10 +15,11 @@ its evidence, is written before anything happens and the outcome after, so:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,6 +44,7 @@ from supervisor.models import (
 )
 from supervisor.slurm import Cluster, SourceUnavailable, Unsupported
 from supervisor.spec import RunSpec
+from supervisor.watchdog.lease import LeaseGuard
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.snapshot import Remedy, RemedyKind
 
@@ -139,12 +145,27 @@ def remedy_evidence(remedy: Remedy, ctx: ActContext) -> dict[str, Any]:
 
 class Actuator:
     def __init__(
-        self, db: Database, cluster: Cluster, config: ActuatorConfig, notifier: Notifier
+        self,
+        db: Database,
+        cluster: Cluster,
+        config: ActuatorConfig,
+        notifier: Notifier,
+        lease: LeaseGuard | None = None,
     ) -> None:
         self.db = db
         self.cluster = cluster
         self.config = config
         self.notifier = notifier
+        self.lease = lease  # None: a lone actuator (scripts, unit tests) fences nothing
+
+    @contextlib.contextmanager
+    def _side_effect(self) -> Iterator[None]:
+        """Fence one call that changes the world and hold the lease while it runs."""
+        if self.lease is None:
+            yield
+            return
+        with self.lease.held():
+            yield
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -157,8 +178,12 @@ class Actuator:
     ) -> str | None:
         """The action's key when it must (still) be carried out; None when already done."""
         key = store.action_key(run_id, attempt, kind.value, target)
+        fence = self.lease.fence if self.lease is not None else None
         with self.db.write_session() as s:
-            if store.begin_action(s, run_id, attempt, kind.value, target, evidence) is not None:
+            intent = store.begin_action(
+                s, run_id, attempt, kind.value, target, evidence, fence=fence
+            )
+            if intent is not None:
                 return key
         existing = self._action(key)
         if existing is not None and existing.state is ActionState.INTENT:
@@ -166,9 +191,16 @@ class Actuator:
             return key
         return None
 
-    def _finish(self, key: str, ok: bool, result: dict[str, Any]) -> None:
+    def _finish(
+        self, key: str, ok: bool, result: dict[str, Any], notice: str | None = None, **fields: Any
+    ) -> None:
+        """Record the outcome, with its notification (if any) in the same transaction."""
         with self.db.write_session() as s:
+            if notice is not None:
+                self.notifier.enqueue(s, key, notice, **fields)
             store.finish_action(s, key, ok=ok, result=result)
+        if notice is not None:
+            self.notifier.wake()
 
     # ------------------------------------------------------------------ submit
 
@@ -191,7 +223,8 @@ class Actuator:
         if attempt is not None and attempt.job_id:
             self._finish(key, True, {"job_id": attempt.job_id, "recovered": True})
             return attempt.job_id
-        found = self._already_submitted(run_id, number, log_dir)
+        with self._side_effect():
+            found = self._already_submitted(run_id, number, log_dir)
         if attempt is None:
             if run.current_attempt != number - 1:
                 self._finish(key, False, {"error": f"attempt {run.current_attempt} is current"})
@@ -227,7 +260,8 @@ class Actuator:
                 signal_delay_s=self.config.signal_delay_s,
             )
             try:
-                job_id = submit(self.cluster, plan).job_id
+                with self._side_effect():
+                    job_id = submit(self.cluster, plan).job_id
             except (SourceUnavailable, Unsupported, OSError) as exc:
                 with self.db.write_session() as s:
                     store.update_attempt(
@@ -300,11 +334,15 @@ class Actuator:
     def _carry_out(self, key: str, ctx: ActContext, remedy: Remedy) -> bool:
         notify = dict(run_id=ctx.run_id, attempt=ctx.attempt, remedy=remedy.kind.value)
         if remedy.kind is RemedyKind.OBSERVE:
-            self._finish(key, True, {})
-            self.notifier.send(f"[nightwatch] {ctx.run_id}: {remedy.reason}", **notify)
+            self._finish(key, True, {}, f"[nightwatch] {ctx.run_id}: {remedy.reason}", **notify)
             return True
         if remedy.kind is RemedyKind.ESCALATE:
-            with self.db.write_session() as s:
+            # With the state change or not at all: a resumed escalation whose state change
+            # already committed (and its message with it) is rolled back, adding no second
+            # one (no autoflush: the message's row is written by the commit, if any).
+            with self.db.write_session() as s, s.no_autoflush:
+                text = f"[nightwatch] {ctx.run_id} NEEDS ATTENTION: {remedy.reason}"
+                self.notifier.enqueue(s, key, text, **notify)
                 store.transition_run(
                     s,
                     ctx.run_id,
@@ -313,9 +351,7 @@ class Actuator:
                     attempt=ctx.attempt,
                 )
             self._finish(key, True, {})
-            self.notifier.send(
-                f"[nightwatch] {ctx.run_id} NEEDS ATTENTION: {remedy.reason}", **notify
-            )
+            self.notifier.wake()
             return True
         with self.db.session() as s:
             run = store.get_run(s, ctx.run_id)
@@ -354,8 +390,9 @@ class Actuator:
             key,
             job_id is not None,
             {"next_attempt": ctx.attempt + 1, "job_id": job_id, "resume_from": resume_from},
+            f"[nightwatch] {ctx.run_id}: {remedy.reason}",
+            **notify,
         )
-        self.notifier.send(f"[nightwatch] {ctx.run_id}: {remedy.reason}", **notify)
         return True
 
     def _pin_checkpoint(self, run: Run, step: int, ctx: ActContext) -> None:
@@ -381,7 +418,8 @@ class Actuator:
 
     def _stop_job(self, ctx: ActContext) -> None:
         if ctx.job_id and ctx.job_active:
-            self.cluster.cancel(ctx.job_id)
+            with self._side_effect():
+                self.cluster.cancel(ctx.job_id)
         with self.db.write_session() as s:
             attempt = _attempt(s, ctx.run_id, ctx.attempt)
             if attempt is not None and attempt.ended_at is None:
@@ -397,18 +435,22 @@ class Actuator:
                 store.set_node_health(s, node, NodeHealth.EXCLUDED, remedy.reason, strike=True)
             if spec.recovery.drain_excluded_nodes:
                 try:
-                    self.cluster.drain(node, f"nightwatch: {remedy.reason}"[:200])
+                    with self._side_effect():
+                        self.cluster.drain(node, f"nightwatch: {remedy.reason}"[:200])
                 except (SourceUnavailable, Unsupported) as exc:
                     log.warning(f"drain {node} failed: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
 
     def cancel_run(self, run_id: str, attempt: int, job_id: str | None, active: bool) -> bool:
-        """A user's cancel request: stop the job, then the run is CANCELLED."""
+        """A user's cancel request: stop the job, then the run is CANCELLED, and what was in
+        flight for it is abandoned (a job it may have left unrecorded is found by its name
+        and cancelled by `cancel_stray`, every tick)."""
         key = self._begin(run_id, attempt, ActionKind.CANCEL, job_id or "-", {"job_id": job_id})
         if key is None:
             return True
         try:
             if job_id and active:
-                self.cluster.cancel(job_id)
+                with self._side_effect():
+                    self.cluster.cancel(job_id)
         except SourceUnavailable as exc:
             log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(run_id, attempt))
             return False
@@ -428,7 +470,32 @@ class Actuator:
             )
         self._clear_pins(run_id, attempt)
         self._finish(key, True, {})
+        with self.db.write_session() as s:
+            store.abandon_actions(s, run_id, "run cancelled")
         return True
+
+    def cancel_stray(self, run_id: str, attempt: int, job_id: str, reason: str) -> None:
+        """Cancel a live job its run must not have (the run ended, or the job is not its
+        attempt's): recorded once, and cancelled again while SLURM still lists it."""
+        evidence = {"job_id": job_id, "reason": reason}
+        key = self._begin(run_id, attempt, ActionKind.CANCEL, job_id, evidence)
+        log.warning(f"cancelling job {job_id}: {reason}", extra=_ctx(run_id, attempt))
+        try:
+            with self._side_effect():
+                self.cluster.cancel(job_id)
+        except SourceUnavailable as exc:
+            log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(run_id, attempt))
+            return
+        if key is not None:
+            self._finish(key, True, {"job_id": job_id})
+
+    def close_leftover(self, key: str, kind: str, target: str) -> None:
+        """Finish an action a crash left unfinished on a run that ended: the cancel (its job
+        no longer live) or completion that ended it took effect; anything else is abandoned."""
+        if kind in (ActionKind.CANCEL.value, ActionKind.COMPLETE.value):
+            self._finish(key, True, {"job_id": None if target == "-" else target})
+        else:
+            self._finish(key, False, {"abandoned": "run ended"})
 
     def complete_run(self, run_id: str, attempt: int, step: int) -> None:
         key = self._begin(run_id, attempt, ActionKind.COMPLETE, str(step), {"step": step})
@@ -444,8 +511,8 @@ class Actuator:
                 last_step=step,
             )
         self._clear_pins(run_id, attempt)
-        self._finish(key, True, {})
-        self.notifier.send(f"[nightwatch] {run_id} succeeded at step {step}", run_id=run_id)
+        text = f"[nightwatch] {run_id} succeeded at step {step}"
+        self._finish(key, True, {}, text, run_id=run_id)
 
 
 def _attempt(session: Session, run_id: str, number: int) -> Attempt | None:

@@ -4,8 +4,10 @@ Level-triggered: each tick recomputes from actual state — the database, ONE ba
 poll for all current jobs, one metrics collection for all runs, checkpoints on disk — so
 nothing depends on having seen an event, and a restarted supervisor picks up where the world
 is. One actor at a time: a tick only acts while this replica holds the `leases` row (a
-compare-and-set with expiry, which works the same on SQLite and PostgreSQL). An action whose
-intent survived a crash is resumed before anything new is decided for that run.
+compare-and-set with expiry on the database's clock), renewed as the tick goes on and checked
+by every side effect against its epoch (supervisor.watchdog.lease). An action whose intent
+survived a crash is resumed before anything new is decided for that run, and whatever a crash
+left running that no run may have is cancelled (supervisor.watchdog.strays).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from sqlalchemy.orm import defer
 from supervisor import store
 from supervisor.db import Database
 from supervisor.joblog import LogFinding, LogKind, classify, suspect_hosts
-from supervisor.launcher import NodeSetup
+from supervisor.launcher import JOB_PREFIX, NodeSetup
 from supervisor.metrics import SupervisorMetrics
 from supervisor.models import (
     ACTIVE_RUN_STATES,
@@ -52,7 +54,7 @@ from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobStatus, SourceUnavailable, make_cluster, tail
 from supervisor.slurm import JobState as SlurmState
 from supervisor.spec import RunSpec
-from supervisor.watchdog import accounting
+from supervisor.watchdog import accounting, strays
 from supervisor.watchdog.actions import (
     ROLLS_BACK,
     ActContext,
@@ -68,6 +70,7 @@ from supervisor.watchdog.detectors import (
     detect_all,
     median_step_time,
 )
+from supervisor.watchdog.lease import Deposed, LeaseGuard
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.policy import (
     backoff_seconds,
@@ -339,6 +342,7 @@ class Reconciler:
         self.registry = registry or CollectorRegistry()
         self.metrics = WatchdogMetrics(self.registry)
         self.supervisor_metrics = supervisor_metrics
+        self.lease = LeaseGuard(db, config.lease_name, config.holder, config.lease_ttl_s)
         self.actuator = Actuator(
             db,
             cluster,
@@ -349,6 +353,7 @@ class Reconciler:
                 signal_delay_s=config.signal_delay_s,
             ),
             self.notifier,
+            self.lease,
         )
         self._specs: dict[str, RunSpec] = {}
         self._known_ckpt: dict[str, int] = {}
@@ -389,16 +394,21 @@ class Reconciler:
         started = time.perf_counter()
         cpu_started = time.process_time()
         now = self.clock()
-        with self.db.write_session() as s:
-            leader = store.acquire_lease(
-                s,
-                self.config.lease_name,
-                self.config.holder,
-                timedelta(seconds=self.config.lease_ttl_s),
-            )
-        result = TickResult(leader=leader)
-        if not leader:
+        result = TickResult(leader=self.lease.acquire())
+        if not result.leader:
             return result
+        self.notifier.wake()  # the leader sends what is due, an earlier process's too
+        try:
+            self._tick(result, now)
+        except Deposed as exc:  # another replica acts now; what this one began, it resumes
+            log.warning(f"{exc}: this replica stops acting")
+            result.leader = False
+        result.duration_s = time.perf_counter() - started
+        result.cpu_s = time.process_time() - cpu_started
+        self._export(result, now)
+        return result
+
+    def _tick(self, result: TickResult, now: float) -> None:
         with self.db.session() as s:
             pending = list(store.runs_in_states(s, [RunState.PENDING]))
             watched = self._watched_runs(s)
@@ -406,12 +416,19 @@ class Reconciler:
             unfinished = self._unfinished_actions(s, [r.id for r in watched])
             incidents = self._open_incidents(s, [r.id for r in watched])
         for run in pending:
-            if not run.cancel_requested:
-                try:
-                    self._submit_first(run, attempts.pop(run.id, None), result, now)
-                except Exception as exc:
-                    log.exception("submit failed", extra={"run_id": run.id})
-                    result.errors[run.id] = f"{type(exc).__name__}: {exc}"
+            try:
+                self.lease.keep()
+                attempt = attempts.pop(run.id, None)
+                if run.cancel_requested:  # after a failed or cut-off submission
+                    job_id = attempt.job_id if attempt else None
+                    self.actuator.cancel_run(run.id, run.current_attempt, job_id, True)
+                else:
+                    self._submit_first(run, attempt, result, now)
+            except Deposed:
+                raise
+            except Exception as exc:
+                log.exception("submit failed", extra={"run_id": run.id})
+                result.errors[run.id] = f"{type(exc).__name__}: {exc}"
         job_ids = [a.job_id for a in attempts.values() if a.job_id]
         try:
             mark = time.perf_counter()
@@ -436,6 +453,7 @@ class Reconciler:
         for run in watched:
             attempt = attempts.get(run.id)
             try:
+                self.lease.keep()
                 self._reconcile(
                     run,
                     attempt,
@@ -446,15 +464,35 @@ class Reconciler:
                     now,
                     result,
                 )
+            except Deposed:
+                raise
             except Exception as exc:
                 log.exception("reconcile failed", extra={"run_id": run.id})
                 result.errors[run.id] = f"{type(exc).__name__}: {exc}"
         result.runs = len(watched)
         result.phases["runs"] = time.perf_counter() - mark
-        result.duration_s = time.perf_counter() - started
-        result.cpu_s = time.process_time() - cpu_started
-        self._export(result, now)
-        return result
+        self._cancel_strays()
+
+    def _cancel_strays(self) -> None:
+        """Cancel the live jobs no run may have (one listing a tick; skipped while SLURM
+        does not answer, or for a cluster that cannot list its jobs)."""
+        lister = getattr(self.cluster, "live_jobs", None)
+        if lister is None:
+            return
+        try:
+            live = lister(JOB_PREFIX)
+        except SourceUnavailable as exc:
+            log.warning(f"listing live jobs failed: {exc}")
+            return
+        with self.db.session() as s:
+            runs = strays.load_runs(s, live.values())
+        for stray in strays.find_strays(live, runs):
+            self.actuator.cancel_stray(stray.run_id, stray.attempt, stray.job_id, stray.reason)
+        with self.db.session() as s:
+            leftovers = strays.unfinished_on_ended_runs(s)
+        for key, kind, target in leftovers:
+            if kind != ActionKind.CANCEL.value or target not in live:
+                self.actuator.close_leftover(key, kind, target)
 
     def _export(self, result: TickResult, now: float) -> None:
         m = self.metrics
@@ -646,6 +684,11 @@ class Reconciler:
             self.actuator.cancel_run(
                 run.id, run.current_attempt, attempt.job_id if attempt else None, active_job
             )
+            return
+        if unfinished is not None and unfinished.kind == ActionKind.ESCALATE.value:
+            # killed mid-escalation: the run may already need attention; finish it anyway
+            number = unfinished.attempt or run.current_attempt
+            self.actuator.resume(unfinished, ActContext(run.id, number, None, False))
             return
         if run.state is RunState.NEEDS_ATTENTION or attempt is None:
             return
@@ -1068,7 +1111,7 @@ def build_reconciler(
         ),
         registry=registry,
         supervisor_metrics=supervisor_metrics,
-        notifier=Notifier(settings.webhook_url),
+        notifier=Notifier(settings.webhook_url, db),
     )
 
 

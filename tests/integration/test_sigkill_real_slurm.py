@@ -45,6 +45,7 @@ from .conftest import DEVCLUSTER, REPO
 
 sys.path.insert(0, str(REPO / "tests" / "watchdog"))  # where sigkill_supervisor.py imports it
 from sigkill_trials import (
+    check_cancelled,
     check_invariants,
     finish,
     kill_trials,
@@ -203,6 +204,29 @@ def test_sigkill_between_sbatch_and_the_pickle_on_real_slurm(
         finish(db_url, home, args, timeout_s=120)
         check_invariants(db, run_id, 2, _jobs_of(slurm, run_id, 2))
         assert time.monotonic() - started < 50  # the adopted job ran its task at once
+    finally:
+        _cancel_all(slurm)
+        db.dispose()
+
+
+def test_sigkill_after_sbatch_then_cancel_while_down_on_real_slurm(
+    slurm_conf: Path, workdir: Path
+) -> None:
+    """Killed between sbatch and recording the job id, the run is cancelled while no
+    supervisor runs: the next one cancels the run (still `pending`, its first submission cut
+    off) and the orphan job SLURM holds under the run's name (found with `live_jobs`)."""
+    slurm = SlurmCluster(slurm_conf)
+    db, db_url, run_id = new_run(workdir)
+    args, home = _args(slurm_conf, 2), workdir / "home"
+    prefix = f"nw-{run_id}-"
+    try:
+        dying = spawn(db_url, home, [*args, "--die-after-sbatch"])
+        assert dying.wait(timeout=60) == -signal.SIGKILL
+        assert list(slurm.live_jobs(prefix).values()) == [job_name(run_id, 1)]
+        with db.write_session() as s:
+            store.request_cancel(s, run_id)
+        finish(db_url, home, args, timeout_s=120)
+        check_cancelled(db, run_id, list(slurm.live_jobs(prefix)))
     finally:
         _cancel_all(slurm)
         db.dispose()

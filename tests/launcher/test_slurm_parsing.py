@@ -13,6 +13,7 @@ from supervisor.slurm import (
     SlurmCluster,
     SourceUnavailable,
     expand_hostlist,
+    parse_live_jobs,
     parse_sacct,
     parse_sinfo,
     parse_squeue,
@@ -221,3 +222,20 @@ def test_rendered_batch_script_is_what_sbatch_gets():
 )
 def test_task_exit_code(codes, tasks, expected):
     assert task_exit_code(codes, tasks) == expected
+
+
+def test_live_jobs_are_the_queued_and_running_ones_with_the_prefix() -> None:
+    text = (
+        "101|nw-r-1-a1|RUNNING\n"
+        "102|nw-r-1-a2|PENDING\n"
+        "103|nw-r-2-a1|COMPLETING\n"
+        "104|someone-else|RUNNING\n"
+        "105|nw-a|b-a3|SUSPENDED\n"
+    )
+    assert parse_live_jobs(text, "nw-") == {
+        "101": "nw-r-1-a1",
+        "102": "nw-r-1-a2",
+        "105": "nw-a|b-a3",
+    }
+    with pytest.raises(SourceUnavailable):
+        parse_live_jobs("squeue: error: slurm_load_jobs\n", "nw-")

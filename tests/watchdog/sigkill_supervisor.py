@@ -2,6 +2,10 @@
 SQLite, against a SLURM that outlives the supervisor: a stand-in whose state lives in a file, or
 a real cluster whose jobs run a scripted stand-in of the trainer (sigkill_trials.ScriptedJob).
 
+It exits once every run has ended or needs a person, no action is half done and every
+notification was delivered (`--webhook`). `--die-after-sbatch` and `--die-after-escalation`
+make it SIGKILL itself in the narrowest window of a submission or an escalation.
+
 Either way every attempt ends badly until attempt `--attempts` (sigkill_trials.scripted_ending):
 attempt 3 FAILS (restart), the others are preempted or hit their walltime (requeue), the last
 COMPLETES after writing a checkpoint at the target step. The stand-in's submit/cancel sleep a
@@ -31,11 +35,14 @@ from sigkill_trials import (
     scripted_ending,
     write_target_checkpoint,
 )
+from sqlalchemy import select
 
 from supervisor import store
 from supervisor.db import Database
-from supervisor.models import RunState
+from supervisor.models import Action, ActionState, RunState
 from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, Submission
+from supervisor.watchdog import outbox
+from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 from supervisor.watchdog.snapshot import MetricsView, SourceHealth
 
@@ -45,8 +52,11 @@ OP_DELAY_S = 0.01
 class FileCluster:
     kind = "slurm"
 
-    def __init__(self, path: Path, home: Path, attempts: int, target: int) -> None:
+    def __init__(
+        self, path: Path, home: Path, attempts: int, target: int, crash_always: bool = False
+    ) -> None:
         self.path, self.home, self.attempts, self.target = path, home, attempts, target
+        self.crash_always = crash_always
 
     @contextmanager
     def _state(self) -> Iterator[dict[str, Any]]:
@@ -77,6 +87,14 @@ class FileCluster:
         with self._state() as st:
             return [j for j, v in st["jobs"].items() if v["name"] == job_name]
 
+    def live_jobs(self, prefix: str) -> dict[str, str]:
+        with self._state() as st:
+            return {
+                j: v["name"]
+                for j, v in st["jobs"].items()
+                if v["name"].startswith(prefix) and v["state"] in ("PENDING", "RUNNING")
+            }
+
     def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
         out = {}
         with self._state() as st:
@@ -95,6 +113,8 @@ class FileCluster:
         return out
 
     def _end(self, job: dict[str, Any]) -> str:
+        if self.crash_always:
+            return JobState.FAILED.value
         ending = scripted_ending(job["attempt"], self.attempts)
         if ending is JobState.COMPLETED:
             write_target_checkpoint(self.home, job["run_id"], self.target)
@@ -139,6 +159,29 @@ def die_after_sbatch() -> None:
     submitit.core.utils.JobPaths.move_temporary_file = die  # type: ignore[method-assign]
 
 
+def die_after_escalation() -> None:
+    """SIGKILL this process right after an escalation's state change (and its outbox message)
+    committed, before the action's outcome is recorded or the webhook is posted."""
+    transition = store.transition_run
+
+    def die(session: Any, run_id: str, new: RunState, **kw: Any) -> bool:
+        moved = transition(session, run_id, new, **kw)
+        if moved and new is RunState.NEEDS_ATTENTION:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return moved
+
+    store.transition_run = die  # type: ignore[assignment]
+
+
+def settled(db: Database) -> bool:
+    """Every run ended or needs a person, with no action left half done."""
+    with db.session() as s:
+        runs = store.list_runs(s).items
+        intents = s.scalars(select(Action.key).where(Action.state == ActionState.INTENT)).all()
+    done = all(r.state.terminal or r.state is RunState.NEEDS_ATTENTION for r in runs)
+    return bool(runs) and done and not intents
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("db_url")
@@ -151,26 +194,34 @@ def main() -> int:
     parser.add_argument("--job-seconds", type=float, default=1.0, help="real jobs' sleep")
     parser.add_argument("--tick", type=float, default=0.01, help="pause between ticks")
     parser.add_argument("--die-after-sbatch", action="store_true")
+    parser.add_argument("--die-after-escalation", action="store_true")
+    parser.add_argument("--crash-always", action="store_true", help="every job FAILS (stand-in)")
+    parser.add_argument("--webhook", help="where notifications are posted")
     args = parser.parse_args()
     if args.die_after_sbatch:
         die_after_sbatch()
+    if args.die_after_escalation:
+        die_after_escalation()
     db = Database(args.db_url)
     cluster: FileCluster | ScriptedSlurmCluster
     if args.state is not None:
-        cluster = FileCluster(args.state, args.home, args.attempts, args.target)
+        cluster = FileCluster(
+            args.state, args.home, args.attempts, args.target, crash_always=args.crash_always
+        )
     else:
         cluster = ScriptedSlurmCluster(
             args.slurm_conf, args.home, args.attempts, args.target, args.job_seconds
         )
     config = WatchdogConfig(home=args.home, tick_seconds=args.tick, lease_ttl_s=0.5)
-    rec = Reconciler(db, cluster, NoMetrics(), config)
+    notifier = Notifier(args.webhook, db, poll_s=0.1)
+    rec = Reconciler(db, cluster, NoMetrics(), config, notifier=notifier)
     print("ready", flush=True)
     while True:
-        rec.tick()
-        with db.session() as s:
-            runs = store.list_runs(s).items
-        if runs and all(r.state.terminal or r.state is RunState.NEEDS_ATTENTION for r in runs):
-            return 0
+        if rec.tick().leader and settled(db):
+            with db.session() as s:
+                if outbox.undelivered(s) == 0:
+                    return 0
+            notifier.flush(1)
         time.sleep(args.tick)
 
 

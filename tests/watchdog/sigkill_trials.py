@@ -23,7 +23,7 @@ from pathlib import Path
 from sqlalchemy import select
 from watchdog_fakes import TINY_SPEC
 
-from supervisor import store
+from supervisor import launcher, store
 from supervisor.db import Database
 from supervisor.launcher import EXIT_REQUEUE, job_name
 from supervisor.models import Action, ActionState, Attempt, Event, EventKind, RunState
@@ -67,8 +67,9 @@ def scripted_ending(attempt: int, attempts: int) -> JobState:
 
 def parse_job_name(name: str) -> tuple[str, int]:
     """`nw-<run id>-a<N>` (supervisor.launcher.job_name) → (run id, N)."""
-    run_id, _, attempt = name.removeprefix("nw-").rpartition("-a")
-    return run_id, int(attempt)
+    parsed = launcher.parse_job_name(name)
+    assert parsed is not None, name
+    return parsed
 
 
 def write_target_checkpoint(home: Path, run_id: str, target: int) -> None:
@@ -228,3 +229,34 @@ def check_invariants(
             assert said.pop((EventKind.ACTION_OUTCOME, a.attempt, f"{what}: done"), 0) == 1, what
         kinds = {EventKind.ACTION_INTENT, EventKind.ACTION_OUTCOME}
         assert not [k for k in said if k[0] in kinds], said  # no event without its action
+
+
+def check_actions_closed(db: Database, run_id: str) -> list[Action]:
+    """Every action of the run finished (done, or abandoned by a cancel), each with exactly
+    one intent and one outcome event; returns them."""
+    with db.session() as s:
+        actions = s.scalars(select(Action).where(Action.run_id == run_id)).all()
+        events = s.scalars(select(Event).where(Event.run_id == run_id)).all()
+    assert actions and not [a.key for a in actions if a.state is ActionState.INTENT]
+    said = Counter((e.kind, e.attempt, e.message) for e in events)
+    for a in actions:
+        what = f"{a.kind} {a.target}"
+        outcome = f"{what}: {'done' if a.state is ActionState.DONE else 'failed'}"
+        assert said.pop((EventKind.ACTION_INTENT, a.attempt, what), 0) == 1, what
+        assert said.pop((EventKind.ACTION_OUTCOME, a.attempt, outcome), 0) == 1, what
+    kinds = {EventKind.ACTION_INTENT, EventKind.ACTION_OUTCOME}
+    assert not [k for k in said if k[0] in kinds], said
+    return list(actions)
+
+
+def check_cancelled(db: Database, run_id: str, live: Sequence[str]) -> None:
+    """A cancel requested while the supervisor was down: the run is cancelled, SLURM holds
+    no live job of it (`live`: its queued or running job ids), nothing is left half done,
+    and only a cancel abandoned actions."""
+    assert live == [], live
+    with db.session() as s:
+        assert store.get_run(s, run_id).state is RunState.CANCELLED
+    actions = check_actions_closed(db, run_id)
+    abandoned = [a for a in actions if a.state is not ActionState.DONE]
+    reasons = ({"abandoned": "run cancelled"}, {"abandoned": "run ended"})
+    assert all(a.result_json in reasons for a in abandoned), abandoned

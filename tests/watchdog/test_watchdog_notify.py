@@ -1,51 +1,21 @@
-"""Webhook notifications: retried until delivered, and never blocking the caller."""
+"""Webhook notifications through the outbox: delivered at least once (retried with backoff
+until the webhook accepts, and sent by the next supervisor when one is killed right after an
+escalation), with an idempotency id, and never blocking the caller."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from datetime import UTC, datetime
 
 import pytest
+from sqlalchemy import select, update
+from watchdog_fakes import Hook
 
+from supervisor.db import Database
+from supervisor.models import OutboxMessage
+from supervisor.watchdog import outbox
 from supervisor.watchdog.notify import Notifier
-
-
-class Hook:
-    """A loopback webhook that fails the first `failures` posts, or hangs when `hang` is set."""
-
-    def __init__(self, failures: int = 0, hang: float = 0.0) -> None:
-        self.failures, self.hang = failures, hang
-        self.received: list[dict] = []
-        self.posts = 0
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                hook.posts += 1
-                if hook.hang:
-                    time.sleep(hook.hang)
-                if hook.posts <= hook.failures:
-                    self.send_response(503)
-                else:
-                    hook.received.append(json.loads(body))
-                    self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -55,29 +25,73 @@ def hook() -> Iterator[Hook]:
     h.close()
 
 
-def test_delivered_after_retries_with_slack_text(hook: Hook) -> None:
-    n = Notifier(hook.url, attempts=4, backoff_s=0.01)
-    assert n.send("[nightwatch] r1 NEEDS ATTENTION: restart storm", run_id="r1", remedy="escalate")
+def put(db: Database, notifier: Notifier, key: str, text: str, **fields: object) -> None:
+    with db.write_session() as s:
+        notifier.enqueue(s, key, text, **fields)
+        s.commit()
+    notifier.wake()
+
+
+def messages(db: Database) -> list[OutboxMessage]:
+    with db.session() as s:
+        return list(s.scalars(select(OutboxMessage).order_by(OutboxMessage.id)))
+
+
+def test_delivered_after_retries_with_slack_text(db: Database, hook: Hook) -> None:
+    n = Notifier(hook.url, db, attempts=4, backoff_s=0.01)
+    text = "[nightwatch] r1 NEEDS ATTENTION: restart storm"
+    put(db, n, "r1|1|escalate|-", text, run_id="r1", remedy="escalate")
     assert n.flush(10)
     n.close()
     assert hook.posts == 3
     assert hook.received == [
-        {
-            "text": "[nightwatch] r1 NEEDS ATTENTION: restart storm",
-            "run_id": "r1",
-            "remedy": "escalate",
-        }
+        {"id": "r1|1|escalate|-", "text": text, "run_id": "r1", "remedy": "escalate"}
     ]
-    assert n.delivered == 1 and n.dropped == 0
+    (row,) = messages(db)
+    assert row.delivered_at is not None and row.tries == 1
+    assert n.delivered == 1 and n.failed_tries == 0
 
 
-def test_gives_up_and_never_blocks_the_caller() -> None:
+def test_kept_and_retried_with_backoff_until_delivered(db: Database) -> None:
+    """A webhook down for longer than the quick retries: the message waits in the outbox
+    (nothing is dropped), each failure pushing its next try further out, until it lands."""
+    down = Hook(failures=5)
+    try:
+        n = Notifier(down.url, db, attempts=2, backoff_s=0.01)
+        with db.write_session() as s:  # stored, not woken: the test drives the sender
+            n.enqueue(s, "k1", "hello", run_id="r1")
+            s.commit()
+        waits = []
+        for _ in range(2):  # two rounds of two quick tries each fail
+            with db.write_session() as s:  # time passes: the message is due again
+                s.execute(update(OutboxMessage).values(next_try_at=datetime.now(UTC)))
+                s.commit()
+            before = datetime.now(UTC)
+            assert n.deliver_due() == 1
+            (row,) = messages(db)
+            assert row.delivered_at is None and row.last_error
+            waits.append(row.next_try_at - before)
+        assert waits[1] > waits[0]  # backing off
+        assert n.deliver_due() == 0  # not due yet
+        with db.write_session() as s:
+            s.execute(update(OutboxMessage).values(next_try_at=datetime.now(UTC)))
+            s.commit()
+        assert n.deliver_due() == 1
+        (row,) = messages(db)
+        assert row.delivered_at is not None and row.tries == 3
+        assert down.received == [{"id": "k1", "text": "hello", "run_id": "r1"}]
+        n.close()
+    finally:
+        down.close()
+
+
+def test_never_blocks_the_caller(db: Database) -> None:
     slow = Hook(failures=100, hang=0.3)
     try:
-        n = Notifier(slow.url, attempts=2, backoff_s=0.01, timeout_s=2)
+        n = Notifier(slow.url, db, attempts=2, backoff_s=0.01, timeout_s=2)
         started = time.perf_counter()
         for i in range(20):
-            n.send(f"message {i}", run_id="r1")
+            put(db, n, f"k{i}", f"message {i}", run_id="r1")
         # Blocking would take ≥ 20 × 0.3 s; allow a loaded CI box its thread start-up.
         assert time.perf_counter() - started < 2.0
         n.close(timeout_s=0.1)
@@ -85,5 +99,13 @@ def test_gives_up_and_never_blocks_the_caller() -> None:
         slow.close()
 
 
-def test_disabled_without_url() -> None:
-    assert Notifier(None).send("nothing") is False
+def test_disabled_without_url(db: Database) -> None:
+    n = Notifier(None, db)
+    assert not n.enabled
+    put(db, n, "k1", "nothing")
+    assert messages(db) == [] and n.flush(1)
+
+
+def test_backoff_grows_to_its_cap() -> None:
+    assert [outbox.backoff_s(t, 1.0) for t in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert outbox.backoff_s(30, 1.0) == outbox.MAX_BACKOFF_S

@@ -7,9 +7,11 @@ They implement the same interfaces as `supervisor.slurm.Cluster` and
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 from megatron_runs.checkpointing import step_dir, write_meta
@@ -73,6 +75,13 @@ class FakeCluster:
 
     def find_jobs(self, job_name: str) -> list[str]:
         return [j for j, r in self.submitted if r.job_name == job_name]
+
+    def live_jobs(self, prefix: str) -> dict[str, str]:
+        return {
+            j: r.job_name
+            for j, r in self.submitted
+            if r.job_name.startswith(prefix) and self.states[j].state.active
+        }
 
     def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
         self.poll_calls += 1
@@ -140,3 +149,38 @@ def write_checkpoint(root: Path, step: int, consumed: int, saved_at: float | Non
     layout = {"tensor": 1, "pipeline": 1, "data": 2}
     write_meta(d, step, consumed, 3.0, layout, saved_at=saved_at or time.time())
     (root / "latest").write_text(json.dumps(step))
+
+
+class Hook:
+    """A loopback webhook that fails the first `failures` posts, or hangs when `hang` is set."""
+
+    def __init__(self, failures: int = 0, hang: float = 0.0) -> None:
+        self.failures, self.hang = failures, hang
+        self.received: list[dict] = []
+        self.posts = 0
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                hook.posts += 1
+                if hook.hang:
+                    time.sleep(hook.hang)
+                if hook.posts <= hook.failures:
+                    self.send_response(503)
+                else:
+                    hook.received.append(json.loads(body))
+                    self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,85 @@
+"""Jobs no run may have: the level-triggered half of cancelling.
+
+Whatever was in flight when a supervisor died (an sbatch whose job id was never recorded, a
+remedy cut between its cancel and its resubmission, a deposed replica's late submit), every
+tick compares the jobs SLURM lists under Nightwatch's names with the runs' state: a run that
+ended has no live job, an attempt that was superseded has none, and an attempt has one job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import and_, select
+from sqlalchemy.orm import Session
+
+from supervisor.launcher import parse_job_name
+from supervisor.models import TERMINAL_RUN_STATES, Action, ActionState, Attempt, Run, RunState
+
+
+@dataclass(frozen=True)
+class RunJobs:
+    """What a run may have running: its current attempt and the job that attempt recorded."""
+
+    state: RunState
+    current_attempt: int
+    job_id: str | None
+
+
+@dataclass(frozen=True)
+class Stray:
+    run_id: str
+    attempt: int
+    job_id: str
+    reason: str
+
+
+def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[Stray]:
+    """The live jobs (id → name) that their run must not have (pure). Names of runs this
+    database does not hold are left alone (not ours to judge); an attempt whose job id is not
+    recorded yet keeps the job its submission will adopt by name."""
+    out = []
+    for job_id, name in sorted(live.items()):
+        parsed = parse_job_name(name)
+        if parsed is None or parsed[0] not in runs:
+            continue
+        run_id, attempt = parsed
+        run = runs[run_id]
+        if run.state.terminal:
+            reason = f"run {run.state.value}"
+        elif attempt < run.current_attempt:
+            reason = f"attempt {attempt} superseded by attempt {run.current_attempt}"
+        elif attempt == run.current_attempt and run.job_id not in (None, job_id):
+            reason = f"attempt {attempt} already has job {run.job_id}"
+        else:
+            continue
+        out.append(Stray(run_id, attempt, job_id, reason))
+    return out
+
+
+def load_runs(session: Session, job_names: Iterable[str]) -> dict[str, RunJobs]:
+    """The runs named by live jobs, with their current attempt's job id, in one query."""
+    ids = sorted({parsed[0] for name in job_names if (parsed := parse_job_name(name))})
+    if not ids:
+        return {}
+    current = and_(Attempt.run_id == Run.id, Attempt.number == Run.current_attempt)
+    rows = session.execute(
+        select(Run.id, Run.state, Run.current_attempt, Attempt.job_id)
+        .outerjoin(Attempt, current)
+        .where(Run.id.in_(ids))
+    ).all()
+    return {r.id: RunJobs(r.state, r.current_attempt, r.job_id) for r in rows}
+
+
+def unfinished_on_ended_runs(session: Session) -> list[tuple[str, str, str]]:
+    """(key, kind, target) of the actions a crash left unfinished on runs that ended: none is
+    resumed any more (a cancel cut between the run's state change and its outcome, or a
+    remedy whose run was cancelled before the cancel could abandon it)."""
+    rows = session.execute(
+        select(Action.key, Action.kind, Action.target)
+        .join(Run, Run.id == Action.run_id)
+        .where(Action.state == ActionState.INTENT, Run.state.in_(TERMINAL_RUN_STATES))
+        .order_by(Action.id)
+    ).all()
+    return [(r.key, r.kind, r.target) for r in rows]
