@@ -287,8 +287,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--out", type=Path, default=REPO / "out" / "soak")
     ap.add_argument("--base-port", type=int, default=17900, help="devcluster's first port")
-    ap.add_argument("--budget-factor", type=float, default=3.0,
-                    help="each system may take this × the reference's wall time")  # fmt: skip
+    ap.add_argument(
+        "--budget-factor",
+        type=float,
+        default=3.0,
+        help="Nightwatch may take this × steps × --step-seconds + 600 s (it runs before the "
+        "reference), the baseline this × the reference's wall time",
+    )
     return ap.parse_args(argv)
 
 

@@ -76,23 +76,15 @@ class ReferencePlan:
         }
 
 
-@dataclass(frozen=True)
-class _Group:
-    """The final trajectory's stretch from one process group."""
-
-    first: int
-    last: int
-    skips: Skips
-    start_cursor: int | None
-
-
 def lineage(progress: Progress) -> list[Segment]:
     """The final trajectory as consecutive stretches of one process group each."""
     traj = final_trajectory(progress)
     starts = {s.incarnation: s for s in progress.starts}
     segments: list[Segment] = []
     current: str | None = None
-    for step in sorted(traj):
+    for expected, step in enumerate(sorted(traj), start=1):
+        if step != expected:
+            raise PlanError(f"step {expected} is missing from the log")
         inc = traj[step].incarnation
         if inc != current:
             start = starts.get(inc)

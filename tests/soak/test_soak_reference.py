@@ -106,6 +106,9 @@ def test_a_history_the_skips_do_not_explain_is_refused() -> None:
         plan(lying, [], GBS)
     with pytest.raises(PlanError, match="no step"):
         plan(Progress(), [], GBS)
+    torn = Progress(list(p.starts), [e for e in p.steps if e.step != 20])
+    with pytest.raises(PlanError, match="step 20 is missing from the log"):
+        plan(torn, [], GBS)
 
 
 def test_the_plan_is_recorded_as_json() -> None:
