@@ -183,7 +183,8 @@ def acceptance(
         if not f.triggered:
             failed.append(f"{f.kind} at step {f.at_step} never happened ({f.note})")
         elif not f.right_action:
-            failed.append(f"{f.kind}: cured by {f.cured_by}, remedies {f.remedies}")
+            why = f" ({f.note})" if f.note else ""
+            failed.append(f"{f.kind}: cured by {f.cured_by}, remedies {f.remedies}{why}")
         elif not f.recovered:
             failed.append(f"{f.kind}: no recovery seen")
     return failed

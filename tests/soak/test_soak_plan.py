@@ -13,7 +13,7 @@ from benchmarks.soak.baseline import ReferenceMismatch, load_reference, sbatch_s
 from benchmarks.soak.faults import elapsed_minutes
 from benchmarks.soak.reference import ReferencePlan, Segment
 from benchmarks.soak.schedule import SHORT_KINDS, FaultKind, SoakShape, draw
-from benchmarks.soak.score import SystemScore
+from benchmarks.soak.score import FaultScore, SystemScore
 from megatron_runs.faults import truncate_largest
 from supervisor.spec import RunSpec
 
@@ -79,6 +79,15 @@ def test_acceptance_names_what_failed() -> None:
     assert any("step 90" in f for f in failed) and any("escalation" in f for f in failed)
     assert any("2 remedies" in f for f in failed)
     assert acceptance(ok, clean=False, ettr_min=0.4) == []
+    unseen = FaultScore(
+        "poison_data", 29, 10.0, True, [], False, None, None, False, False, None, 0,
+        "armed in spec; no remedy; the final model trained its samples at steps [29, 30, 31] "
+        "(update skipped at [])",
+    )  # fmt: skip
+    assert acceptance(dataclasses.replace(ok, faults=[unseen]), clean=False) == [
+        "poison_data: cured by None, remedies [] (armed in spec; no remedy; the final model "
+        "trained its samples at steps [29, 30, 31] (update skipped at []))"
+    ]
     assert acceptance(ok, clean=False, ettr_min=0.95) == ["ETTR 0.5 below 95%"]
     # Exact or not: one step off in the last bit fails, however close the final loss.
     off = dataclasses.replace(
