@@ -152,12 +152,6 @@ def with_skips(progress: Progress, by_attempt: Mapping[int, Sequence[tuple[int, 
     return Progress(starts, list(progress.steps))
 
 
-def mean_loss(traj: dict[int, StepEvent], steps: Sequence[int]) -> float | None:
-    """Mean finite loss over `steps` (None when none of them has one)."""
-    values = [traj[s].loss for s in steps if s in traj and math.isfinite(traj[s].loss)]
-    return sum(values) / len(values) if values else None
-
-
 def time_to_step(progress: Progress, step: int, t0: float) -> float | None:
     """Seconds from `t0` until `step` was first completed."""
     ev = progress.first_reaching(step)
