@@ -3,9 +3,11 @@
 Real parts: a local SLURM cluster (scripts/devcluster, one slurmd per node, nodes frozen to
 die), Prometheus discovering workers through the supervisor, a PostgreSQL-backed supervisor
 (API + reconciler, SIGKILLed on schedule), and CPU Megatron-Core GPT training (TP 1 × PP 2 ×
-DP 2 over 2 nodes). In order: a fault-free reference run (the baseline's script, no faults),
-Nightwatch under the schedule, the baseline under the same schedule. Prints the seed and the
-schedule first and the side-by-side table last; writes everything to `<out>/result.json`.
+DP 2 over 2 nodes). In order: Nightwatch under the schedule, the exact reference (the
+baseline's script without faults, planned from Nightwatch's history so that it sees the same
+samples and applies the same updates: `benchmarks/soak/reference.py`), the baseline under the
+same schedule. Prints the seed and the schedule first and the side-by-side table last; writes
+everything to `<out>/result.json`.
 
     .venv/bin/python benchmarks/chaos_soak.py --seed 7 --minutes 20       # the full soak
     .venv/bin/python benchmarks/chaos_soak.py --short                     # ≈ 5 min, make test
@@ -33,9 +35,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.soak.baseline import load_reference, run_baseline, save_reference
+from benchmarks.soak.baseline import load_reference, run_baseline, run_reference, save_reference
 from benchmarks.soak.driver import SystemRun
 from benchmarks.soak.nightwatch import run_nightwatch
+from benchmarks.soak.reference import PlanError, ReferencePlan, Segment
+from benchmarks.soak.reference import plan as reference_plan
 from benchmarks.soak.schedule import (
     NODE_FAULTS,
     SHORT_KINDS,
@@ -153,18 +157,23 @@ ETTR_MIN = 0.95
 def acceptance(
     nightwatch: SystemScore,
     clean: bool,
-    loss_tol: float = 0.02,
     ettr_min: float | None = None,
     compare_loss: bool = True,
 ) -> list[str]:
-    """The properties of issue 6 a run of this length can show; returns what failed."""
+    """The properties of issue 6 a run of this length can show; returns what failed. The
+    loss must equal the exact reference's at every step (no tolerance: see `reference.py`)."""
     failed = []
     if ettr_min is not None and (nightwatch.ettr or 0.0) < ettr_min:
         failed.append(f"ETTR {nightwatch.ettr} below {ettr_min:.0%}")
     if not nightwatch.reached_target:
         failed.append(f"stopped at step {nightwatch.final_step} of {nightwatch.target_steps}")
-    if compare_loss and (nightwatch.loss_rel_diff is None or nightwatch.loss_rel_diff > loss_tol):
-        failed.append(f"final loss off the reference by {nightwatch.loss_rel_diff}")
+    if compare_loss and not nightwatch.loss_equal:
+        first = nightwatch.loss_mismatches[:1]
+        failed.append(
+            f"loss differs from the exact reference at {nightwatch.loss_steps_unequal} of "
+            f"{nightwatch.loss_steps_compared} steps (first: step, loss, reference {first}); "
+            f"final {nightwatch.final_loss} vs {nightwatch.reference_loss}"
+        )
     elif not compare_loss and not clean:
         failed.append("final loss not compared: no fault-free reference (--no-reference)")
     if nightwatch.escalations:
@@ -175,10 +184,51 @@ def acceptance(
         if not f.triggered:
             failed.append(f"{f.kind} at step {f.at_step} never happened ({f.note})")
         elif not f.right_action:
-            failed.append(f"{f.kind}: cured by {f.cured_by}, remedies {f.remedies}")
+            why = f" ({f.note})" if f.note else ""
+            failed.append(f"{f.kind}: cured by {f.cured_by}, remedies {f.remedies}{why}")
         elif not f.recovered:
             failed.append(f"{f.kind}: no recovery seen")
     return failed
+
+
+def exact_reference(
+    nightwatch: SystemRun | None,
+    spec: dict[str, Any],
+    args: argparse.Namespace,
+    cluster: Cluster,
+    supervisor: Supervisor,
+    out: Path,
+    say: Callable[[str], None],
+) -> SystemRun | None:
+    """The reference for Nightwatch's final model (a clean run's, without Nightwatch), trained
+    or reused; None when Nightwatch's history cannot be replayed (said why)."""
+    gbs = int(spec["training"]["global_batch_size"])
+    try:
+        plan = (
+            reference_plan(nightwatch.progress, spec["faults"], gbs)
+            if nightwatch is not None
+            else ReferencePlan((Segment(0, int(spec["training"]["train_steps"])),))
+        )
+    except PlanError as exc:
+        say(f"no exact reference: {exc}")
+        return None
+    say(f"reference plan: {json.dumps(plan.to_dict())}")
+    if args.reference_from:
+        ref = load_reference(args.reference_from, spec, plan)
+        say(f"reference reused from {args.reference_from}")
+        return ref
+    ref = run_reference(
+        spec, plan, cluster, out / "reference", supervisor.home,
+        budget_s=args.minutes * 60 * 3 + 600, say=say,
+    )  # fmt: skip
+    save_reference(ref, out / "reference")
+    return ref
+
+
+def plan_of(run: SystemRun | None) -> ReferencePlan:
+    """The plan a reference run was trained by (a clean one when none was recorded)."""
+    recorded = (run.extra.get("plan") if run else None) or {}
+    return ReferencePlan((), (), tuple(recorded.get("emulated_steps", ())))
 
 
 def prepare_data(cache: Path, vocab: int) -> dict[str, str]:
@@ -227,8 +277,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--reference-from",
         type=Path,
         default=None,
-        help="an earlier soak's reference/ directory of the same spec, reused instead of "
-        "training the fault-free reference again",
+        help="an earlier soak's reference/ directory of the same spec and plan (the same "
+        "remedies' skips and resumes), reused instead of training the reference again",
     )
     ap.add_argument(
         "--no-reference",
@@ -239,8 +289,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--out", type=Path, default=REPO / "out" / "soak")
     ap.add_argument("--base-port", type=int, default=17900, help="devcluster's first port")
-    ap.add_argument("--budget-factor", type=float, default=3.0,
-                    help="each system may take this × the reference's wall time")  # fmt: skip
+    ap.add_argument(
+        "--budget-factor",
+        type=float,
+        default=3.0,
+        help="Nightwatch may take this × steps × --step-seconds + 600 s (it runs before the "
+        "reference), the baseline this × the reference's wall time",
+    )
     return ap.parse_args(argv)
 
 
@@ -286,27 +341,22 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start(f"{supervisor.url}/v1/prometheus/targets", tokens["read"])
         supervisor.start()
         say(f"stack up: {nodes} nodes, supervisor {supervisor.url}, {cluster.prometheus_url}")
-        if args.no_reference:
-            budget = args.budget_factor * mode.train_steps * args.step_seconds + 600
-            say("no reference run (--no-reference)")
-        else:
-            if args.reference_from:
-                ref = load_reference(args.reference_from, clean_spec)
-                say(f"reference reused from {args.reference_from}")
-            else:
-                ref = run_baseline(
-                    clean_spec, None, cluster, out / "reference", supervisor.home,
-                    budget_s=args.minutes * 60 * 3 + 600, say=say, system="reference",
-                )  # fmt: skip
-                save_reference(ref, out / "reference")
-            runs["reference"] = ref
-            budget = args.budget_factor * (ref.end_t - ref.submit_t) + 120
-            say(f"reference: step {ref.progress.max_step} in {ref.end_t - ref.submit_t:.0f}s")
+        # Before the reference (which follows Nightwatch's history), Nightwatch's budget is
+        # a multiple of the expected training time.
+        budget = args.budget_factor * mode.train_steps * args.step_seconds + 600
         if "nightwatch" in mode.systems:
             runs["nightwatch"] = run_nightwatch(
                 spec if schedule else clean_spec, schedule, cluster, supervisor, tokens,
                 budget, say,
             )  # fmt: skip
+        if args.no_reference:
+            say("no reference run (--no-reference)")
+        else:
+            ref = exact_reference(runs.get("nightwatch"), spec, args, cluster, supervisor, out, say)
+            if ref is not None:
+                runs["reference"] = ref
+                budget = args.budget_factor * (ref.end_t - ref.submit_t) + 120
+                say(f"reference: step {ref.progress.max_step} in {ref.end_t - ref.submit_t:.0f}s")
         if "baseline" in mode.systems:
             runs["baseline"] = run_baseline(
                 spec, schedule, cluster, out / "baseline", supervisor.home, budget, say
@@ -332,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             target_steps=r.target_steps,
             reference=ref.progress if ref else None,
             reference_submit_t=ref.submit_t if ref else None,
+            emulated_steps=plan_of(ref).emulated_steps if name == "nightwatch" else (),
             pace_window=mode.checkpoint_interval,
         )
         for name, r in runs.items()
@@ -363,7 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         "final_states": {k: r.final_state for k, r in runs.items()},
         "injections": {
             k: [
-                {"kind": i.fault.kind.value, "t": i.t, "note": i.note, "node": i.node}
+                {
+                    "kind": i.fault.kind.value,
+                    "t": i.t,
+                    "note": i.note,
+                    "node": i.node,
+                    "job_id": i.job_id,
+                }
                 for i in r.injections
             ]
             for k, r in runs.items()

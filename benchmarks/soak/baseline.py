@@ -18,13 +18,14 @@ import os
 import shlex
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.soak.driver import SystemRun, drive, end_time, with_struck_nodes
 from benchmarks.soak.faults import Injector, JobView
 from benchmarks.soak.progress import LogFollower
+from benchmarks.soak.reference import ReferencePlan, Segment
 from benchmarks.soak.schedule import Schedule
 from benchmarks.soak.score import Remedy
 from benchmarks.soak.services import PYTHON, REPO, Cluster
@@ -37,8 +38,15 @@ STALL_S = 300.0
 MASTER_PORT_BASE = 30000
 
 
-def sbatch_script(spec: dict[str, Any], spec_path: Path, work: Path, run_id: str) -> str:
-    """The job script (pure): requeue on failure, resume from `latest`, one task per rank."""
+def sbatch_script(
+    spec: dict[str, Any],
+    spec_path: Path,
+    work: Path,
+    run_id: str,
+    train_args: Sequence[str] = (),
+) -> str:
+    """The job script (pure): requeue on failure, resume from `latest` (or as `train_args`
+    say), one task per rank."""
     res = spec.get("resources", {})
     nodes, per_node = int(res.get("nodes", 1)), int(res.get("gpus_per_node", 1))
     cpus = int(res.get("cpus_per_task", 1))
@@ -50,6 +58,7 @@ def sbatch_script(spec: dict[str, Any], spec_path: Path, work: Path, run_id: str
             "--run-id", shlex.quote(run_id),
             "--checkpoint-dir", shlex.quote(str(work / "checkpoints")),
             '--attempt "$SLURM_RESTART_COUNT"',
+            *(shlex.quote(a) for a in train_args),
         ]
     )  # fmt: skip
     rank_env = (
@@ -104,12 +113,13 @@ def run_baseline(
     budget_s: float,
     say: Callable[[str], None],
     system: str = "baseline",
+    train_args: Sequence[str] = (),
 ) -> SystemRun:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
     script = work / "job.sbatch"
-    script.write_text(sbatch_script(spec, spec_path, work, system))
+    script.write_text(sbatch_script(spec, spec_path, work, system, train_args))
     slurm = SlurmCluster(cluster.slurm_conf)
     injector = Injector(cluster, requeueable=True)
     submit_t = time.time()
@@ -179,25 +189,63 @@ class ReferenceMismatch(ValueError):
     """The earlier reference was trained on another spec: its times and losses say nothing."""
 
 
+def run_reference(
+    spec: dict[str, Any],
+    plan: ReferencePlan,
+    cluster: Cluster,
+    work: Path,
+    home: Path,
+    budget_s: float,
+    say: Callable[[str], None],
+) -> SystemRun:
+    """The exact reference (`reference.plan`): the baseline's script without its faults but
+    for the plan's data faults, one job per segment, each resuming where the last stopped."""
+    ref_spec = {**spec, "faults": list(plan.faults)}
+    parts: list[SystemRun] = []
+    for i, seg in enumerate(plan.segments):
+        last = i == len(plan.segments) - 1
+        part = run_baseline(
+            ref_spec, None, cluster, work, home, budget_s, say, "reference", seg.train_args(last)
+        )
+        parts.append(part)
+        if part.progress.max_step < seg.stop_step:
+            say(f"reference segment {seg} stopped at step {part.progress.max_step}")
+            break
+    return SystemRun(
+        system="reference", submit_t=parts[0].submit_t, end_t=parts[-1].end_t,
+        target_steps=parts[-1].target_steps, progress=parts[-1].progress, injections=[],
+        final_state=parts[-1].final_state,
+        extra={"plan": plan.to_dict(), "jobs": [p.extra.get("job_id") for p in parts]},
+    )  # fmt: skip
+
+
 def save_reference(run: SystemRun, work: Path) -> None:
-    record = {"submit_t": run.submit_t, "end_t": run.end_t}
+    record = {"submit_t": run.submit_t, "end_t": run.end_t, "plan": run.extra.get("plan")}
     (work / REFERENCE_RECORD).write_text(json.dumps(record))
 
 
-def load_reference(work: Path, spec: dict[str, Any]) -> SystemRun:
+def load_reference(
+    work: Path, spec: dict[str, Any], plan: ReferencePlan | None = None
+) -> SystemRun:
     """An earlier soak's reference run of the same spec (its `spec.json` must match, but for
-    the supervisor's `recovery` settings and the checkpoints' retention), read from its logs.
+    the supervisor's `recovery` settings and the checkpoints' retention) and, when given,
+    the same plan (segments, skips and data faults), read from its logs.
     Without its record (soaks before it was kept), the submission time is the birth time of
     the job's output file, which slurmd creates as the job starts (0.5 s after the submission
     where this was first needed): a little late, so the reference looks faster and
     Nightwatch's ETTR against it lower, never higher."""
-    if _trained(json.loads((work / "spec.json").read_text())) != _trained(spec):
-        raise ReferenceMismatch(f"{work / 'spec.json'} is not this soak's fault-free spec")
+    wanted = spec if plan is None else {**spec, "faults": list(plan.faults)}
+    if _trained(json.loads((work / "spec.json").read_text())) != _trained(wanted):
+        raise ReferenceMismatch(f"{work / 'spec.json'} is not this soak's reference spec")
+    if plan is not None:
+        record = _record(work)
+        clean = ReferencePlan((Segment(0, int(spec["training"]["train_steps"])),))
+        if (record.get("plan") or clean.to_dict()) != plan.to_dict():
+            raise ReferenceMismatch(f"the reference in {work} trained another plan")
     progress = LogFollower(work / "logs", "*_0_log.out").poll()
     target = int(spec["training"]["train_steps"])
-    record_path = work / REFERENCE_RECORD
-    if record_path.exists():
-        record = json.loads(record_path.read_text())
+    record = _record(work)
+    if record:
         submit_t, end_t = float(record["submit_t"]), float(record["end_t"])
     else:
         submit_t = _birth_time(next(iter(sorted((work / "logs").glob("batch_*.out"))), None))
@@ -208,6 +256,11 @@ def load_reference(work: Path, spec: dict[str, Any]) -> SystemRun:
         system="reference", submit_t=submit_t, end_t=end_t, target_steps=target,
         progress=progress, injections=[], final_state="reused", extra={"reused_from": str(work)},
     )  # fmt: skip
+
+
+def _record(work: Path) -> dict[str, Any]:
+    path = work / REFERENCE_RECORD
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 #: Checkpoint settings that decide only which saves are kept, never what is trained.

@@ -25,6 +25,10 @@ from worker.ranks import rank_process_name
 PREEMPT_GRACE_S = 30.0
 
 
+class NoTarget(Exception):
+    """Nothing to do the fault to yet (no job, or not running): try again at the next poll."""
+
+
 @dataclass
 class FollowUp:
     """Something to do later (bring a service back), once `due` has passed and `ready()`."""
@@ -145,10 +149,12 @@ class Injector:
     def inject(self, fault: ScheduledFault, job: JobView) -> str:
         kind, p = fault.kind, fault.params
         if kind in (FaultKind.RANK_CRASH, FaultKind.CORRUPT_CHECKPOINT):
+            pid = self._rank_pid(job, int(p["rank"]))
             note = ""
             if kind is FaultKind.CORRUPT_CHECKPOINT:
                 note = self._corrupt(job.checkpoint_dir, p["checkpoint_step"]) + "; "
-            return note + self._kill_rank(job, int(p["rank"]))
+            os.kill(pid, signal.SIGKILL)
+            return note + f"SIGKILL rank {p['rank']} (pid {pid}) of job {job.job_id}"
         if kind is FaultKind.NODE_DEATH:
             return self._node_death(job, int(p["job_node"]))
         if kind is FaultKind.PREEMPTION:
@@ -169,14 +175,13 @@ class Injector:
             return f"supervisor SIGKILLed, back in {p['down_s']}s"
         raise ValueError(f"{kind} is injected by the training program, not the driver")
 
-    def _kill_rank(self, job: JobView, rank: int) -> str:
+    def _rank_pid(self, job: JobView, rank: int) -> int:
         if job.job_id is None:
-            return "no job to crash"
+            raise NoTarget("no job to crash")
         pid = rank_process(job.job_id, rank)
         if pid is None:
-            return f"rank {rank} of job {job.job_id} not found"
-        os.kill(pid, signal.SIGKILL)
-        return f"SIGKILL rank {rank} (pid {pid}) of job {job.job_id}"
+            raise NoTarget(f"rank {rank} of job {job.job_id} is not running")
+        return pid
 
     def _corrupt(self, ckpt_dir: Path, expected: int) -> str:
         ckpt = newest_checkpoint(ckpt_dir)
@@ -190,7 +195,7 @@ class Injector:
     def _node_death(self, job: JobView, slot: int) -> str:
         """Freeze the node in the job's place `slot` (the last one in a smaller job)."""
         if not job.nodes:
-            return "no job to kill a node of"
+            raise NoTarget("no job to kill a node of")
         node = job.nodes[min(slot, len(job.nodes) - 1)]
         self.cluster.kill_node(node)
         self.dead_nodes.append(node)
@@ -200,7 +205,7 @@ class Injector:
         """A preemption as SLURM does it: TERM to the job's tasks, a kill after the grace time
         (a requeueable job is requeued instead of cancelled, as PreemptMode=REQUEUE would)."""
         if job.job_id is None:
-            return "no job to preempt"
+            raise NoTarget("no job to preempt")
         job_id = job.job_id
         started = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%S").strip()
         slurm(self.cluster, "scancel", "--signal=TERM", job_id)
@@ -221,7 +226,7 @@ class Injector:
         keeps its limit, so for a requeueable job the original limit is put back once it was
         requeued."""
         if job.job_id is None:
-            return "no job"
+            raise NoTarget("no job to cut the walltime of")
         job_id = job.job_id
         times = slurm(self.cluster, "squeue", "-h", "-j", job_id, "-o", "%M|%l|%S")
         used, limit, started = times.strip().split("|")

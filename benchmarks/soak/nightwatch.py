@@ -16,11 +16,12 @@ from sqlalchemy import select
 
 from benchmarks.soak.driver import SystemRun, drive, end_time, with_struck_nodes
 from benchmarks.soak.faults import Injector, JobView, slurm
-from benchmarks.soak.progress import LogFollower
+from benchmarks.soak.progress import LogFollower, with_skips
+from benchmarks.soak.reference import Skips, normalized
 from benchmarks.soak.schedule import Schedule
 from benchmarks.soak.score import Remedy
 from benchmarks.soak.services import Cluster, Supervisor
-from supervisor.models import Action, Run
+from supervisor.models import Action, Attempt, Run
 
 #: Recorded actions that are remedies (submit / cancel / complete are bookkeeping).
 REMEDY_KINDS = frozenset({"restart", "rollback", "exclude_node", "requeue", "escalate"})
@@ -108,8 +109,8 @@ def run_nightwatch(
     finally:
         api.close()
         injector.revive_all()
-    progress = follower.poll()
     remedies, escalations = recorded_remedies(supervisor, run_id)
+    progress = with_skips(follower.poll(), attempt_skips(supervisor, run_id))
     target = int(spec["training"]["train_steps"])
     return SystemRun(
         system="nightwatch",
@@ -136,11 +137,7 @@ def recorded_remedies(supervisor: Supervisor, run_id: str) -> tuple[list[Remedy]
             run = s.get(Run, run_id)
             needs_attention = run is not None and run.state.value == "needs_attention"
             remedies = [
-                Remedy(
-                    a.created_at.timestamp(),
-                    a.kind,
-                    tuple((a.evidence_json or {}).get("exclude_nodes", ())),
-                )
+                remedy_of(a.created_at.timestamp(), a.kind, a.evidence_json or {})
                 for a in actions
                 if a.kind in REMEDY_KINDS
             ]
@@ -148,3 +145,28 @@ def recorded_remedies(supervisor: Supervisor, run_id: str) -> tuple[list[Remedy]
         db.dispose()
     escalations = sum(1 for r in remedies if r.kind == "escalate")
     return remedies, max(escalations, int(needs_attention))
+
+
+def remedy_of(t: float, kind: str, evidence: dict[str, Any]) -> Remedy:
+    """A recorded action with the cause it names (`actions.remedy_evidence`)."""
+    return Remedy(
+        t,
+        kind,
+        tuple(evidence.get("exclude_nodes") or ()),
+        cause=evidence.get("finding_kind"),
+        job_id=None if evidence.get("job_id") is None else str(evidence["job_id"]),
+        skips=normalized(evidence.get("skip_ranges") or ()),
+        finding_nodes=tuple(evidence.get("finding_nodes") or ()),
+        attempt_nodes=tuple(evidence.get("attempt_nodes") or ()),
+    )
+
+
+def attempt_skips(supervisor: Supervisor, run_id: str) -> dict[int, Skips]:
+    """The skip ranges each attempt was submitted with (the trainer's log does not say)."""
+    db = supervisor.database()
+    try:
+        with db.session() as s:
+            rows = s.scalars(select(Attempt).where(Attempt.run_id == run_id)).all()
+            return {a.number: normalized(a.skip_ranges_json or ()) for a in rows}
+    finally:
+        db.dispose()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -23,6 +23,7 @@ class StepEvent:
     incarnation: str
     skipped_update: bool = False
     step_time: float | None = None
+    consumed: int | None = None  # the data cursor after the step (global sample index)
 
     @property
     def bad(self) -> bool:
@@ -38,6 +39,10 @@ class StartEvent:
     step: int
     incarnation: str
     nodes: tuple[str, ...] = ()  # every node of the group, rank 0's first (empty: an older log)
+    cursor: int | None = None  # the data cursor it resumed at
+    #: The skip ranges the group trained with (the trainer's log does not say: the system that
+    #: started it does, `with_skips`).
+    skips: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -74,6 +79,10 @@ def _float(value: object) -> float:
         return math.nan
 
 
+def _int(value: object) -> int | None:
+    return int(value) if isinstance(value, int | float) else None
+
+
 def parse_lines(lines: Iterable[str]) -> Progress:
     """Keep the trainer's `train_start` and `step` records; ignore everything else."""
     out = Progress()
@@ -96,6 +105,7 @@ def parse_lines(lines: Iterable[str]) -> Progress:
                     int(rec["step"]),
                     incarnation(rec),
                     tuple(rec.get("nodes") or ()),
+                    _int(rec.get("cursor")),
                 )
             )
         elif event == "step":
@@ -107,6 +117,7 @@ def parse_lines(lines: Iterable[str]) -> Progress:
                     incarnation(rec),
                     bool(rec.get("skipped_update")),
                     rec.get("step_time"),
+                    _int(rec.get("consumed")),
                 )
             )
     out.starts.sort(key=lambda e: e.t)
@@ -131,10 +142,14 @@ def final_trajectory(progress: Progress) -> dict[int, StepEvent]:
     return traj
 
 
-def mean_loss(traj: dict[int, StepEvent], steps: Sequence[int]) -> float | None:
-    """Mean finite loss over `steps` (None when none of them has one)."""
-    values = [traj[s].loss for s in steps if s in traj and math.isfinite(traj[s].loss)]
-    return sum(values) / len(values) if values else None
+def with_skips(progress: Progress, by_attempt: Mapping[int, Sequence[tuple[int, int]]]) -> Progress:
+    """`progress` with each start's skip ranges, by the attempt number its log records."""
+    starts = []
+    for s in progress.starts:
+        attempt = s.incarnation.rsplit("/", 1)[-1]
+        skips = by_attempt.get(int(attempt), ()) if attempt.isdigit() else ()
+        starts.append(replace(s, skips=tuple(tuple(r) for r in skips)))
+    return Progress(starts, list(progress.steps))
 
 
 def time_to_step(progress: Progress, step: int, t0: float) -> float | None:

@@ -1,19 +1,30 @@
 """Score a soak (pure): per fault and per system, from ground truth plus the remedies taken.
 
 Definitions (the same for Nightwatch and the baseline):
-- fault time: when the driver injected an external fault; for a spec-side fault, when the
-  faulty step began (the first time training completed step `at_step - 1`; for a node fault,
-  the first time a process group on the node it struck did: only there does it strike).
-- a fault's window runs from its time to the next fault's time (faults are spaced so that
-  each recovery happens inside its own window); remedies in the window belong to the fault.
-- detected: some remedy was taken in the window; detection latency: first remedy − fault time.
-- cured by: the last remedy of the window; right action: it is one of `schedule.CURES[kind]`
+- fault time: when the driver injected an external fault (the first time the run reached its
+  step, in any attempt); for poisoned data, when the first step that trained a poisoned
+  sample began (from the trainer's data cursor and the skips its group trained with: a window
+  an earlier skip covered never strikes); for a node fault, the first time a process group
+  on the node it struck (the trainer's pin) began its step or a later one.
+- cause: each remedy is matched to the fault it cures by what it names, never by when it
+  came. A remedy records the finding that caused it (`finding_kind`), the job it acted on,
+  the nodes it excluded or blamed and the samples it skipped; a fault matches when the
+  finding is one its kind causes (`CAUSES`) and the remedy names its place: a poisoned
+  window's samples, the pinned node, the job an external fault was done to. Among the faults
+  that struck before a remedy, the most specific match wins (place named over place merely
+  in the job over the kind alone), then the latest. So two faults in one recovery, or a
+  rollback to before a fault scheduled later, are scored each on its own. A remedy that
+  records no cause (the baseline's requeues) goes to the latest fault that struck before it.
+- detected: some remedy was matched; detection latency: its first remedy − fault time.
+- cured by: the last remedy matched; right action: it is one of `schedule.CURES[kind]`
   (infra faults: no remedy at all is the right action), and an exclusion names the faulty node.
-- recovered: a process group that started after the last remedy trained past its resume
-  step; MTTR = that moment − fault time. When the next fault struck every such group of the
-  window first (a restart placed on the sick node), the first later group that trains on.
-- steps lost: for each restart in the window, the step the previous run had reached minus the
-  step the restart resumed from.
+- recovered: a process group that started after the last remedy trained a good step past its
+  resume step (the first such group: a cure placed on the next fault's node recovers with
+  the group after that fault's cure); MTTR = that moment − fault time.
+- steps lost: for each restart that a matched remedy caused, the step the previous group had
+  reached minus the step the restart resumed from.
+- a remedy matched to no fault is a false positive (those taken during an infra fault's
+  outage are listed on it as its wrong action).
 - ETTR: good steps of the final trajectory × the system's own pace / wall time (submit →
   end), i.e. the share of the wall time that was useful training; steps whose update was
   thrown away (NaN/Inf) are not good. The pace is the median time per step over windows of
@@ -21,11 +32,10 @@ Definitions (the same for Nightwatch and the baseline):
   so restarts, detection, replayed steps and slow stretches are what it does not count.
   `ettr_vs_reference` is the reference run's time to the same final step / wall time
   (startup costs then count as useful); it also holds any drift in the machine's speed
-  between the two runs (the reference's own pace moved by 15 % within one run in the ninth
-  session), which the own pace does not.
-- final loss: mean loss over the last `loss_window(target)` steps of the final trajectory,
-  against the reference's mean over the same steps (a window long enough that sample noise
-  stays well under the 2 % tolerance: see `LOSS_WINDOW_SHARE`).
+  between the two runs, which the own pace does not.
+- loss: every step of the final trajectory against the exact reference's (`reference.py`:
+  it sees the same samples and applies the same updates), equal bit for bit or not;
+  `final_loss` is the last step's, `loss_rel_diff` only says how far apart they are.
 """
 
 from __future__ import annotations
@@ -35,27 +45,28 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from benchmarks.soak.progress import (
-    Progress,
-    StepEvent,
-    final_trajectory,
-    mean_loss,
-    time_to_step,
-)
+from benchmarks.soak.progress import Progress, StartEvent, StepEvent, final_trajectory, time_to_step
+from benchmarks.soak.reference import Skips, compare_losses
 from benchmarks.soak.schedule import CURES, INFRA_FAULTS, NODE_FAULTS, FaultKind, ScheduledFault
 
-#: The final loss is the mean over this share of the run (at least `MIN_LOSS_WINDOW` steps).
-#: With a global batch of 8 sequences one step's loss varies by ≈ 17 % (seed-7 reference,
-#: steps 9,000-10,000: σ 0.57 at a mean of 3.3), so once a rollback's skip has shifted the
-#: samples, two runs' 32-step means differ by ≈ 4.6 % (one σ) by chance alone, more than the
-#: 2 % tolerance (the seed-7 soak: +4.1 % over 32 steps, +0.02 % over 1,000); over 1,000
-#: steps that chance difference is ≈ 0.8 %.
-LOSS_WINDOW_SHARE = 0.1
-MIN_LOSS_WINDOW = 32
-
-
-def loss_window(target_steps: int) -> int:
-    return max(MIN_LOSS_WINDOW, int(target_steps * LOSS_WINDOW_SHARE))
+_NUMERIC = frozenset({"nonfinite", "loss_spike", "grad_explosion"})
+_JOB_ENDED = frozenset({"job_failed", "job_lost", "hang"})
+#: The findings (`supervisor.watchdog.snapshot.FindingKind`) each fault kind can cause. A
+#: crashed rank fails the job, or leaves its peers waiting in a collective (a hang the
+#: exited node vouches for); a dead node is a NODE_FAIL or a hang its dark host explains.
+CAUSES: dict[FaultKind, frozenset[str]] = {
+    FaultKind.POISON_DATA: _NUMERIC,
+    FaultKind.NAN_NODE: _NUMERIC,
+    FaultKind.RANK_CRASH: _JOB_ENDED,
+    FaultKind.CORRUPT_CHECKPOINT: _JOB_ENDED,
+    FaultKind.HANG: frozenset({"hang"}),
+    FaultKind.STRAGGLER: frozenset({"straggler", "throughput_drop", "hang"}),
+    FaultKind.NODE_DEATH: _JOB_ENDED | {"job_node_fail"},
+    FaultKind.PREEMPTION: frozenset({"job_preempted"}),
+    FaultKind.WALLTIME: frozenset({"job_timeout", "job_preempted", "job_ended_early"}),
+}
+#: How long after an infra fault's outage a remedy is still its doing (a tick or a scrape).
+INFRA_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,11 @@ class Remedy:
     t: float
     kind: str
     nodes: tuple[str, ...] = ()  # what an exclusion named
+    cause: str | None = None  # the finding kind it remedied (None: the system records none)
+    job_id: str | None = None  # the job it acted on
+    skips: Skips = ()  # the sample ranges a rollback skipped
+    finding_nodes: tuple[str, ...] = ()  # the nodes the finding blamed
+    attempt_nodes: tuple[str, ...] = ()  # the nodes of the job it acted on
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,7 @@ class Injection:
     t: float | None
     note: str = ""
     node: str | None = None  # the node a node fault hit (its schedule names a place in the job)
+    job_id: str | None = None  # the job an external fault was done to
 
 
 @dataclass(frozen=True)
@@ -113,10 +130,52 @@ class SystemScore:
     false_positives: int
     unrecovered: int
     faults: list[FaultScore] = field(default_factory=list)
-    loss_window: int = MIN_LOSS_WINDOW
+    loss_equal: bool | None = None  # None: no reference
+    loss_steps_compared: int = 0
+    loss_steps_unequal: int = 0
+    #: (step, this system's loss, the reference's) for the first steps that differ
+    loss_mismatches: list[tuple[int, float | None, float | None]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def step_began(progress: Progress, event: StepEvent) -> float:
+    """When `event`'s step began: the previous step's end in its process group, else its
+    group's start."""
+    earlier = [
+        e.t for e in progress.steps if e.incarnation == event.incarnation and e.t < event.t
+    ] + [s.t for s in progress.starts if s.incarnation == event.incarnation and s.t <= event.t]
+    return max(earlier, default=event.t)
+
+
+def _cursor_before(progress: Progress, event: StepEvent) -> int | None:
+    prior = [e for e in progress.steps if e.incarnation == event.incarnation and e.t < event.t]
+    if prior:
+        return prior[-1].consumed
+    start = next((s for s in progress.starts if s.incarnation == event.incarnation), None)
+    return start.cursor if start is not None else None
+
+
+def _trains(lo: int, hi: int, window: tuple[int, int], skips: Skips) -> bool:
+    """Does a step that moved the cursor from `lo` to `hi` train a sample of `window`?"""
+    a, b = max(lo, window[0]), min(hi, window[1])
+    covered = sum(max(0, min(b, e) - max(a, s)) for s, e in skips)
+    return b > a and covered < b - a
+
+
+def first_poisoned_step(progress: Progress, window: tuple[int, int]) -> StepEvent | None:
+    """The first step (in time) that trained a sample of `window`; None: no step did."""
+    skips = {s.incarnation: s.skips for s in progress.starts}
+    for ev in progress.steps:
+        lo = _cursor_before(progress, ev)
+        if (
+            lo is not None
+            and ev.consumed is not None
+            and _trains(lo, ev.consumed, window, skips.get(ev.incarnation, ()))
+        ):
+            return ev
+    return None
 
 
 def fault_time(inj: Injection, progress: Progress) -> float | None:
@@ -126,18 +185,44 @@ def fault_time(inj: Injection, progress: Progress) -> float | None:
     its step; the training program pins that node (`Injection.node`; None: it never struck).
     A NaN node's time is the start of the first step at or past it whose update the trainer
     threw away; a hang's or a straggler's, the start of the first such step that a process
-    group on the pinned node began (a later restart may land elsewhere first)."""
-    if not inj.fault.spec_side:
+    group on the pinned node began (a later restart may land elsewhere first). Poisoned data
+    strikes at the first step that trains one of its samples (an older log without the data
+    cursor: the first time training reached its step)."""
+    fault = inj.fault
+    if not fault.spec_side:
         return inj.t
-    if inj.fault.kind in NODE_FAULTS and inj.node is None:
+    if fault.kind in NODE_FAULTS and inj.node is None:
         return None  # no node was pinned: it never struck
-    if inj.fault.kind is FaultKind.NAN_NODE:
-        first = next((e for e in progress.steps if e.step >= inj.fault.at_step and e.bad), None)
-        return _step_start(progress, first) if first is not None else None
+    if fault.kind is FaultKind.NAN_NODE:
+        first = next((e for e in progress.steps if e.step >= fault.at_step and e.bad), None)
+        return step_began(progress, first) if first is not None else None
     if inj.node is not None:
-        return _first_step_on(progress, inj.node, inj.fault.at_step)
-    before = progress.first_reaching(max(0, inj.fault.at_step - 1))
+        return _first_step_on(progress, inj.node, fault.at_step)
+    cursors = any(e.consumed is not None for e in progress.steps)
+    if fault.kind is FaultKind.POISON_DATA and "start_sample" in fault.params and cursors:
+        window = (int(fault.params["start_sample"]), int(fault.params["end_sample"]))
+        first = first_poisoned_step(progress, window)
+        return step_began(progress, first) if first is not None else None
+    before = progress.first_reaching(max(0, fault.at_step - 1))
     return before.t if before is not None else None
+
+
+def never_struck(inj: Injection, progress: Progress) -> str:
+    """Why a fault has no time: what the run did instead."""
+    fault, reached = inj.fault, progress.max_step
+    if not fault.spec_side:
+        return inj.note or "not injected"
+    if reached < fault.at_step and fault.kind is not FaultKind.POISON_DATA:
+        return f"never struck: the run never reached step {fault.at_step} (ended at {reached})"
+    if fault.kind is FaultKind.POISON_DATA:
+        lo, hi = fault.params.get("start_sample"), fault.params.get("end_sample")
+        furthest = max((e.consumed or 0 for e in progress.steps), default=0)
+        if lo is not None and furthest >= hi:
+            return f"never struck: samples [{lo}, {hi}) were skipped before any step trained them"
+        return f"never struck: training never reached samples [{lo}, {hi}) (cursor {furthest})"
+    if fault.kind in NODE_FAULTS and inj.node is None:
+        return f"never struck: no node pinned for job place {fault.params.get('job_node')}"
+    return f"never struck on {inj.node}: no update thrown away at or past step {fault.at_step}"
 
 
 def _first_step_on(progress: Progress, node: str, step: int) -> float | None:
@@ -160,49 +245,81 @@ def _first_step_on(progress: Progress, node: str, step: int) -> float | None:
     return None
 
 
-def _step_start(progress: Progress, event: StepEvent) -> float:
-    """When `event`'s step began: the previous step's end in its process group, else its
-    group's start."""
-    earlier = [
-        e.t for e in progress.steps if e.incarnation == event.incarnation and e.t < event.t
-    ] + [s.t for s in progress.starts if s.incarnation == event.incarnation and s.t <= event.t]
-    return max(earlier, default=event.t)
+def match_strength(inj: Injection, remedy: Remedy) -> int:
+    """How specifically `remedy` names `inj` as its cause: 3 its place (samples, node, job),
+    2 a job that held the faulty node, 1 the finding alone, 0 not this fault."""
+    kind = inj.fault.kind
+    if kind in INFRA_FAULTS:
+        return 0
+    if remedy.cause is None:
+        return 1  # a system that records no cause: by time alone (see `attribute`)
+    if remedy.cause not in CAUSES[kind]:
+        return 0
+    if kind is FaultKind.POISON_DATA:
+        window = (inj.fault.params.get("start_sample"), inj.fault.params.get("end_sample"))
+        hit = window[0] is not None and any(
+            s < window[1] and window[0] < e for s, e in remedy.skips
+        )
+        return 3 if hit else 1
+    if kind in NODE_FAULTS:
+        node = inj.node
+        if node is None:
+            return 0
+        if node in remedy.nodes or node in remedy.finding_nodes:
+            return 3
+        if not remedy.attempt_nodes or node in remedy.attempt_nodes:
+            return 2
+        return 0  # the job it acted on never ran on the faulty node
+    if inj.job_id is not None and remedy.job_id is not None:
+        return 3 if inj.job_id == remedy.job_id else 0
+    return 1
+
+
+def attribute(
+    injections: Sequence[Injection], times: Sequence[float | None], remedies: Sequence[Remedy]
+) -> list[int | None]:
+    """For each remedy, the index of the fault it remedied (None: none, a false positive)."""
+    out: list[int | None] = []
+    for r in remedies:
+        best: tuple[int, float, int] | None = None
+        for i, (inj, t) in enumerate(zip(injections, times, strict=True)):
+            if t is None or t > r.t:
+                continue
+            strength = match_strength(inj, r)
+            if strength and (best is None or (strength, t) > best[:2]):
+                best = (strength, t, i)
+        out.append(best[2] if best else None)
+    return out
+
+
+def _outage(inj: Injection, t0: float) -> tuple[float, float]:
+    return t0, t0 + float(inj.fault.params.get("down_s", 0.0)) + INFRA_GRACE_S
 
 
 def score_fault(
     inj: Injection,
     t0: float | None,
-    t1: float,
+    mine: Sequence[Remedy],
     progress: Progress,
-    remedies: Sequence[Remedy],
 ) -> FaultScore:
-    """One fault over its window [t0, t1) (t0 None: it never happened)."""
+    """One fault, with the remedies matched to it (t0 None: it never struck)."""
     kind = inj.fault.kind
     if t0 is None:
         return FaultScore(
             kind.value, inj.fault.at_step, None, False, [], False, None, None, False, False,
-            None, 0, inj.note or "not triggered",
+            None, 0, never_struck(inj, progress),
         )  # fmt: skip
-    mine = [r for r in remedies if t0 <= r.t < t1]
-    # (t0, t1]: the group a remedy started may be where the next fault strikes (a node fault
-    # is dated by the first group on its node), and it still recovers this one.
-    starts = [s for s in progress.starts if t0 < s.t <= t1]
-    lost = steps_lost(progress, starts)
+    restarts = _restarts(progress, mine)
+    lost = steps_lost(progress, restarts)
     if kind in INFRA_FAULTS:
-        uninterrupted = not starts
         return FaultScore(
             kind.value, inj.fault.at_step, t0, True, [r.kind for r in mine], bool(mine), None,
-            None, not mine, uninterrupted, None if uninterrupted else _mttr(progress, starts, t0),
-            lost, inj.note,
+            None, not mine, not mine, None, lost, inj.note,
         )  # fmt: skip
-    cured_by = mine[-1].kind if mine else None
-    last = mine[-1].t if mine else t0
-    cured_in = [s for s in starts if s.t >= last]
-    recovered_t = _recovery(progress, cured_in)
-    if recovered_t is None and cured_in:
-        # The next fault struck the group this remedy started before it trained a good step
-        # (it was placed on the sick node): the first later group that does recovers both.
-        recovered_t = _recovery(progress, [s for s in progress.starts if s.t > t1])
+    recovered_t = None
+    if mine:
+        later = [s for s in progress.starts if s.t >= mine[-1].t]
+        recovered_t = _recovery(progress, later)
     return FaultScore(
         kind=kind.value,
         at_step=inj.fault.at_step,
@@ -211,23 +328,67 @@ def score_fault(
         remedies=[r.kind for r in mine],
         detected=bool(mine),
         detection_latency_s=(mine[0].t - t0) if mine else None,
-        cured_by=cured_by,
-        right_action=cured_by in CURES[kind] and _right_node(inj, mine[-1] if mine else None),
+        cured_by=mine[-1].kind if mine else None,
+        right_action=bool(mine) and mine[-1].kind in CURES[kind] and _right_node(inj, mine[-1]),
         recovered=recovered_t is not None,
         mttr_s=None if recovered_t is None else recovered_t - t0,
         steps_lost=lost,
-        note=inj.note,
+        note="; ".join(n for n in (inj.note, _contained(inj, progress, mine)) if n),
     )
 
 
-def _right_node(inj: Injection, cure: Remedy | None) -> bool:
+def _contained(inj: Injection, progress: Progress, mine: Sequence[Remedy]) -> str:
+    """When no remedy was taken: what the final model kept of the fault (poisoned samples it
+    trained, updates the trainer threw away), so a contained or unseen fault says so."""
+    if mine:
+        return ""
+    traj = final_trajectory(progress)
+    params = inj.fault.params
+    if inj.fault.kind is FaultKind.POISON_DATA and "start_sample" in params:
+        window = (int(params["start_sample"]), int(params["end_sample"]))
+        skips = {s.incarnation: s.skips for s in progress.starts}
+        hit = [s for s in sorted(traj) if _trained_window(traj, s, window, skips)]
+        skipped = [s for s in hit if traj[s].skipped_update]
+        if hit:
+            return (
+                f"no remedy; the final model trained its samples at steps {hit} "
+                f"(update skipped at {skipped})"
+            )
+        return ""
+    bad = [s for s, e in sorted(traj.items()) if e.skipped_update and s >= inj.fault.at_step]
+    return f"no remedy; skipped updates kept in the final model at steps {bad}" if bad else ""
+
+
+def _trained_window(
+    traj: dict[int, StepEvent], step: int, window: tuple[int, int], skips: dict[str, Skips]
+) -> bool:
+    """Did this step of the final trajectory train a sample of `window`?"""
+    before = traj[step - 1].consumed if step - 1 in traj else 0
+    ev = traj[step]
+    if before is None or ev.consumed is None:
+        return False
+    return _trains(before, ev.consumed, window, skips.get(ev.incarnation, ()))
+
+
+def _right_node(inj: Injection, cure: Remedy) -> bool:
     """An exclusion cures a node fault only when it names the faulty node."""
     node = inj.node
-    return cure is None or cure.kind != "exclude_node" or node is None or node in cure.nodes
+    return cure.kind != "exclude_node" or node is None or node in cure.nodes
 
 
-def _recovery(progress: Progress, starts: Sequence[Any]) -> float | None:
-    """First step past its resume step of a process group that started in `starts`."""
+def _restarts(progress: Progress, remedies: Sequence[Remedy]) -> list[StartEvent]:
+    """The process group each remedy started (the first to start after it)."""
+    out: list[StartEvent] = []
+    for r in remedies:
+        start = next((s for s in progress.starts if s.t >= r.t), None)
+        if start is not None and start not in out:
+            out.append(start)
+    return out
+
+
+def _recovery(progress: Progress, starts: Sequence[StartEvent]) -> float | None:
+    """First good step past its resume step of the first process group in `starts` that
+    trains one."""
     for start in starts:
         ev = next(
             (
@@ -243,11 +404,6 @@ def _recovery(progress: Progress, starts: Sequence[Any]) -> float | None:
         if ev is not None:
             return ev.t
     return None
-
-
-def _mttr(progress: Progress, starts: Sequence[Any], t0: float) -> float | None:
-    t = _recovery(progress, starts)
-    return None if t is None else t - t0
 
 
 def steps_lost(progress: Progress, starts: Sequence[Any]) -> int:
@@ -268,16 +424,6 @@ def _latest_group(progress: Progress, ev: Any, start: Any) -> bool:
     return bool(before) and ev.incarnation == before[-1].incarnation
 
 
-def windows(times: Sequence[float | None], end: float) -> list[tuple[float | None, float]]:
-    """Each fault's [t0, t1): up to the next fault that happened, or to the end. Times need
-    not follow the schedule's order: a node fault strikes when a job first lands on its node."""
-    out: list[tuple[float | None, float]] = []
-    for t in times:
-        later = [x for x in times if x is not None and t is not None and x > t]
-        out.append((t, min(later) if later else end))
-    return out
-
-
 def pace_s(progress: Progress, window: int) -> float | None:
     """Typical seconds per step: the median over windows of `window` consecutive steps of one
     process group (from a step to the one `window` later, so a window holds one save when
@@ -289,6 +435,10 @@ def pace_s(progress: Progress, window: int) -> float | None:
         if a.incarnation == b.incarnation and b.step == a.step + window
     ]
     return statistics.median(paces) if paces else None
+
+
+#: Mismatching steps listed in a score (the count is `loss_steps_compared` − equal ones).
+MISMATCHES_SHOWN = 5
 
 
 def score_system(
@@ -303,7 +453,7 @@ def score_system(
     target_steps: int,
     reference: Progress | None,
     reference_submit_t: float | None,
-    loss_steps: int | None = None,
+    emulated_steps: Sequence[int] = (),
     pace_window: int = 10,
 ) -> SystemScore:
     traj = final_trajectory(progress)
@@ -311,16 +461,21 @@ def score_system(
     good = sum(1 for e in traj.values() if not e.bad)
     bad = len(traj) - good
     times = [fault_time(i, progress) for i in injections]
+    owner = attribute(injections, times, remedies)
+    mine: list[list[Remedy]] = [[] for _ in injections]
+    for r, i in zip(remedies, owner, strict=True):
+        if i is not None:
+            mine[i].append(r)
+    for i, (inj, t) in enumerate(zip(injections, times, strict=True)):
+        if inj.fault.kind in INFRA_FAULTS and t is not None:
+            lo, hi = _outage(inj, t)
+            mine[i] = [
+                r for r, o in zip(remedies, owner, strict=True) if o is None and lo <= r.t < hi
+            ]
     faults = [
-        score_fault(inj, t0, t1, progress, remedies)
-        for inj, (t0, t1) in zip(injections, windows(times, end_t), strict=True)
+        score_fault(inj, t, m, progress) for inj, t, m in zip(injections, times, mine, strict=True)
     ]
-    fault_windows = [
-        (t0, t1)
-        for (t0, t1), inj in zip(windows(times, end_t), injections, strict=True)
-        if t0 is not None and inj.fault.kind not in INFRA_FAULTS
-    ]
-    false_pos = sum(1 for r in remedies if not any(a <= r.t < b for a, b in fault_windows))
+    false_pos = sum(1 for o in owner if o is None)
     wall = max(1e-9, end_t - submit_t)
     pace = pace_s(progress, pace_window)
     ettr = good * pace / wall if pace else None
@@ -328,13 +483,14 @@ def score_system(
     if reference is not None and reference_submit_t is not None and final_step:
         to_step = time_to_step(reference, final_step, reference_submit_t)
         ettr_ref = to_step / wall if to_step is not None else None
-    final_loss, ref_loss, rel = None, None, None
-    window_steps = loss_steps if loss_steps is not None else loss_window(target_steps)
-    if final_step:
-        window = range(max(1, final_step - window_steps + 1), final_step + 1)
-        final_loss = mean_loss(traj, window)
-        if reference is not None:
-            ref_loss = mean_loss(final_trajectory(reference), window)
+    final_loss = traj[final_step].loss if final_step else None
+    ref_loss, rel, equal, compared, unequal, mismatches = None, None, None, 0, 0, []
+    if reference is not None:
+        match = compare_losses(progress, reference, emulated_steps)
+        equal, compared, unequal = match.equal, match.compared, len(match.mismatches)
+        mismatches = list(match.mismatches[:MISMATCHES_SHOWN])
+        ref_event = final_trajectory(reference).get(final_step)
+        ref_loss = ref_event.loss if ref_event is not None else None
         if final_loss is not None and ref_loss:
             rel = abs(final_loss - ref_loss) / abs(ref_loss)
     return SystemScore(
@@ -357,7 +513,10 @@ def score_system(
             1 for f in faults if f.triggered and not f.recovered and f.kind not in _INFRA
         ),
         faults=faults,
-        loss_window=window_steps,
+        loss_equal=equal,
+        loss_steps_compared=compared,
+        loss_steps_unequal=unequal,
+        loss_mismatches=mismatches,
     )
 
 
@@ -409,7 +568,8 @@ def system_table(scores: Sequence[SystemScore]) -> str:
         ("final loss (reference)", lambda s: f"{_fmt(s.final_loss, '.4f')} "
                                              f"({_fmt(s.reference_loss, '.4f')})"),
         ("final loss Δ", lambda s: _fmt(s.loss_rel_diff, ".2%")),
-        ("loss window (steps)", lambda s: str(s.loss_window)),
+        ("steps equal / compared", lambda s: f"{s.loss_steps_compared - s.loss_steps_unequal} / "
+                                             f"{s.loss_steps_compared}"),
         ("remedies", lambda s: str(s.remedies)),
         ("false positives", lambda s: str(s.false_positives)),
         ("escalations", lambda s: str(s.escalations)),

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from benchmarks.soak import driver
-from benchmarks.soak.faults import FollowUp, JobView
+from benchmarks.soak.faults import FollowUp, JobView, NoTarget
 from benchmarks.soak.progress import LogFollower
 from benchmarks.soak.schedule import FaultKind, ScheduledFault, spec_fault
 from benchmarks.soak.score import Injection
@@ -18,15 +18,17 @@ class Recorder:
     """Stands in for `faults.Injector`: records what it was asked to do."""
 
     def __init__(self) -> None:
-        self.injected: list[tuple[FaultKind, float]] = []
+        self.injected: list[tuple[FaultKind, int]] = []  # (kind, the driver's loop turn)
         self.followups: list[FollowUp] = []
         self.dead_nodes: list[str] = []
+        self.turn = 0
 
     def inject(self, fault: ScheduledFault, job: JobView) -> str:
-        self.injected.append((fault.kind, driver.time.time()))
+        self.injected.append((fault.kind, self.turn))
         return "done"
 
     def tick(self, now: float) -> list[str]:
+        self.turn += 1
         return []
 
     def finish(self) -> list[str]:
@@ -40,16 +42,16 @@ def write_steps(log: Path, upto: int) -> None:
 
 
 def drive_scripted(
-    tmp_path: Path, monkeypatch, faults: list[ScheduledFault]
+    tmp_path: Path, monkeypatch, faults: list[ScheduledFault], rec: Recorder | None = None
 ) -> tuple[Recorder, list, str]:
     """`driver.drive` over a log of 50 steps (one a second, all there at once), every loop
-    turn 10 s later, the run succeeding at the 12th turn, a 30 s gap between faults."""
+    turn 10 s later, the run succeeding at the 12th turn."""
     clock = iter(range(1000, 2000, 10))
     monkeypatch.setattr(driver.time, "time", lambda: float(next(clock)))
     monkeypatch.setattr(driver.time, "sleep", lambda s: None)
     write_steps(tmp_path / "1_0_log.out", 50)
     turns = iter(range(100))
-    rec = Recorder()
+    rec = rec or Recorder()
     injections, state = driver.drive(
         faults,
         LogFollower(tmp_path, "*_0_log.out"),
@@ -58,14 +60,16 @@ def drive_scripted(
         rec,  # type: ignore[arg-type]
         deadline=10**9,
         say=lambda msg: None,
-        min_gap_s=30,
     )
     return rec, injections, state
 
 
-def test_spec_faults_are_armed_and_external_faults_wait_their_gap(
+def test_every_fault_fires_when_its_step_is_first_reached_without_waiting_for_another(
     tmp_path: Path, monkeypatch
 ) -> None:
+    """Issue 20: a rank crash scheduled at step 68 waited out a 30 s gap behind an earlier
+    fault and was "not reached" though the run passed step 68 twice. Faults no longer wait
+    for each other: the scorer tells them apart by cause."""
     faults = [
         ScheduledFault(FaultKind.POISON_DATA, 10, {}),
         ScheduledFault(FaultKind.RANK_CRASH, 12, {"rank": 0}),
@@ -74,51 +78,47 @@ def test_spec_faults_are_armed_and_external_faults_wait_their_gap(
     ]
     rec, injections, state = drive_scripted(tmp_path, monkeypatch, faults)
     assert state == "succeeded"
-    assert [k for k, _ in rec.injected] == [FaultKind.RANK_CRASH, FaultKind.NODE_DEATH]
-    (_, crash_t), (_, death_t) = rec.injected
-    assert death_t - crash_t >= 30
-    kinds = [(i.fault.kind, i.note) for i in injections]
-    assert kinds[0] == (FaultKind.POISON_DATA, "armed in spec")
-    assert kinds[-1] == (FaultKind.PREEMPTION, "not reached")
+    assert rec.injected == [(FaultKind.RANK_CRASH, 0), (FaultKind.NODE_DEATH, 0)]  # 1st turn
+    notes = [(i.fault.kind, i.note) for i in injections]
+    assert notes[0] == (FaultKind.POISON_DATA, "armed in spec")
+    assert notes[-1] == (
+        FaultKind.PREEMPTION,
+        "not reached: the run ended at step 50, before step 99",
+    )
+    assert [i.job_id for i in injections] == [None, "1", "1", None]
 
 
-def test_a_delayed_external_fault_waits_behind_a_spec_fault_due_within_the_gap(
+class Busy(Recorder):
+    """No rank to crash for the first three tries (a recovery in progress)."""
+
+    def inject(self, fault: ScheduledFault, job: JobView) -> str:
+        self.tries = getattr(self, "tries", 0) + 1
+        if self.tries <= 3:
+            raise NoTarget("rank 0 of job 1 is not running")
+        return super().inject(fault, job)
+
+
+def test_an_external_fault_with_nothing_to_hit_yet_is_tried_again(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """Seen in the seed-7 soak: a supervisor kill held back by a walltime cut fired at step
-    837, one step before a hang armed at 838, and the hang's restart was scored in both
-    windows. The external fault now goes after the spec-side one, a gap later."""
-    faults = [
-        ScheduledFault(FaultKind.SUPERVISOR_KILL, 20, {}),
-        ScheduledFault(FaultKind.HANG, 45, {"job_node": 1}),
-        ScheduledFault(FaultKind.RANK_CRASH, 48, {"rank": 0}),
-    ]
-    rec, injections, _ = drive_scripted(tmp_path, monkeypatch, faults)
-    order = [i.fault.kind for i in injections]
-    assert order == [FaultKind.HANG, FaultKind.SUPERVISOR_KILL, FaultKind.RANK_CRASH]
-    assert [k for k, _ in rec.injected] == [FaultKind.SUPERVISOR_KILL, FaultKind.RANK_CRASH]
+    crash = ScheduledFault(FaultKind.RANK_CRASH, 12, {"rank": 0})
+    rec, injections, _ = drive_scripted(tmp_path, monkeypatch, [crash], Busy())
+    assert rec.injected == [(FaultKind.RANK_CRASH, 3)]  # the fourth turn
+    assert injections[0].t is not None
 
 
-def test_only_a_fault_held_back_past_half_its_distance_gives_way() -> None:
-    """The short soak's crash at step 27 fires on time although the NaN node armed at 71 is
-    only seconds of training away; the seed-7 kill scheduled at 473, held back to 837, gives
-    way to the hang at 838."""
-    crash = ScheduledFault(FaultKind.RANK_CRASH, 27, {"rank": 3})
-    nan = ScheduledFault(FaultKind.NAN_NODE, 71, {"job_node": 0})
-    assert driver._gives_way_to([crash, nan], 27) is None
-    assert driver._gives_way_to([crash, nan], 48) is None
-    assert driver._gives_way_to([crash, nan], 50) == nan
-    kill = ScheduledFault(FaultKind.SUPERVISOR_KILL, 473, {})
-    hang = ScheduledFault(FaultKind.HANG, 838, {"job_node": 1})
-    assert driver._gives_way_to([kill, hang], 837) == hang
-    assert driver._gives_way_to([kill, ScheduledFault(FaultKind.PREEMPTION, 838)], 837) is None
+class Never(Recorder):
+    def inject(self, fault: ScheduledFault, job: JobView) -> str:
+        raise NoTarget("rank 3 of job 1 is not running")
 
 
-def test_slow_faults_settle_longer_before_the_next_one() -> None:
-    assert driver.settle_s(ScheduledFault(FaultKind.RANK_CRASH, 5, {}), 30) == 30
-    assert driver.settle_s(ScheduledFault(FaultKind.WALLTIME, 5, {}), 30) == 180
-    prom = ScheduledFault(FaultKind.PROMETHEUS_RESTART, 5, {"down_s": 20})
-    assert driver.settle_s(prom, 30) == 50
+def test_an_external_fault_that_never_found_its_target_says_why(
+    tmp_path: Path, monkeypatch
+) -> None:
+    crash = ScheduledFault(FaultKind.RANK_CRASH, 12, {"rank": 3})
+    _, injections, _ = drive_scripted(tmp_path, monkeypatch, [crash], Never())
+    (inj,) = injections
+    assert inj.t is None and inj.note == "not injected: rank 3 of job 1 is not running"
 
 
 def test_a_run_that_stops_stepping_ends_stalled_only_when_nothing_can_move_it(

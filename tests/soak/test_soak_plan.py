@@ -11,8 +11,9 @@ import pytest
 from benchmarks.chaos_soak import Mode, acceptance, mode_from_args, parse_args, soak_spec
 from benchmarks.soak.baseline import ReferenceMismatch, load_reference, sbatch_script
 from benchmarks.soak.faults import elapsed_minutes
+from benchmarks.soak.reference import ReferencePlan, Segment
 from benchmarks.soak.schedule import SHORT_KINDS, FaultKind, SoakShape, draw
-from benchmarks.soak.score import SystemScore
+from benchmarks.soak.score import FaultScore, SystemScore
 from megatron_runs.faults import truncate_largest
 from supervisor.spec import RunSpec
 
@@ -48,6 +49,9 @@ def test_baseline_script_requeues_and_resumes_the_same_program(tmp_path: Path) -
     assert "-m megatron_runs.train" in text and '--attempt "$SLURM_RESTART_COUNT"' in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert "--resume-step" not in text  # resumes from `latest`, like Megatron's auto-resume
+    segment = sbatch_script(spec, tmp_path / "spec.json", tmp_path, "reference",
+                            ["--resume-step", "60", "--skip", "100:120"])  # fmt: skip
+    assert '"$SLURM_RESTART_COUNT" --resume-step 60 --skip 100:120' in segment
 
 
 def test_walltime_and_corruption_helpers(tmp_path: Path) -> None:
@@ -64,8 +68,9 @@ def test_walltime_and_corruption_helpers(tmp_path: Path) -> None:
 
 def test_acceptance_names_what_failed() -> None:
     ok = SystemScore(
-        "nightwatch", 100.0, 150, 150, True, 150, 0, 0.5, 0.9, 6.0, 6.05, 0.008, 0, 0, 0, 0, []
-    )
+        "nightwatch", 100.0, 150, 150, True, 150, 0, 0.5, 0.9, 6.0, 6.0, 0.0, 0, 0, 0, 0, [],
+        loss_equal=True, loss_steps_compared=150,
+    )  # fmt: skip
     assert acceptance(ok, clean=True) == []
     bad = SystemScore(
         "nightwatch", 100.0, 90, 150, False, 90, 0, 0.5, 0.9, 6.0, 7.0, 0.14, 2, 1, 0, 1, []
@@ -74,9 +79,28 @@ def test_acceptance_names_what_failed() -> None:
     assert any("step 90" in f for f in failed) and any("escalation" in f for f in failed)
     assert any("2 remedies" in f for f in failed)
     assert acceptance(ok, clean=False, ettr_min=0.4) == []
+    unseen = FaultScore(
+        "poison_data", 29, 10.0, True, [], False, None, None, False, False, None, 0,
+        "armed in spec; no remedy; the final model trained its samples at steps [29, 30, 31] "
+        "(update skipped at [])",
+    )  # fmt: skip
+    assert acceptance(dataclasses.replace(ok, faults=[unseen]), clean=False) == [
+        "poison_data: cured by None, remedies [] (armed in spec; no remedy; the final model "
+        "trained its samples at steps [29, 30, 31] (update skipped at []))"
+    ]
     assert acceptance(ok, clean=False, ettr_min=0.95) == ["ETTR 0.5 below 95%"]
-    unreferenced = dataclasses.replace(ok, loss_rel_diff=None)
-    assert acceptance(unreferenced, clean=True) == ["final loss off the reference by None"]
+    # Exact or not: one step off in the last bit fails, however close the final loss.
+    off = dataclasses.replace(
+        ok, loss_equal=False, loss_steps_unequal=1, loss_mismatches=[(149, 6.1, 6.2)]
+    )
+    assert acceptance(off, clean=True) == [
+        "loss differs from the exact reference at 1 of 150 steps (first: step, loss, "
+        "reference [(149, 6.1, 6.2)]); final 6.0 vs 6.0"
+    ]
+    unreferenced = dataclasses.replace(ok, loss_equal=None, loss_steps_compared=0)
+    assert acceptance(unreferenced, clean=True)[0].startswith(
+        "loss differs from the exact reference at 0 of 0 steps"
+    )
     assert acceptance(unreferenced, clean=True, compare_loss=False) == []
     # Without a reference a fault soak measures, but cannot pass: its loss point is unproven.
     assert acceptance(unreferenced, clean=False, compare_loss=False) == [
@@ -114,3 +138,11 @@ def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:
     retention = {"interval_steps": 10, "keep_last": 5, "keep_seconds": 30}
     clean = {**spec, "recovery": {"max_excluded_nodes": 2}, "checkpoint": retention}
     assert load_reference(tmp_path, clean).progress.max_step == 2
+    # An exact reference is reused only for the same plan: a record without one was a
+    # clean run, which is the plan of a run that skipped nothing.
+    assert load_reference(tmp_path, spec, ReferencePlan((Segment(0, 2),))).progress.max_step == 2
+    with pytest.raises(ReferenceMismatch, match="another plan"):
+        load_reference(tmp_path, spec, ReferencePlan((Segment(0, 2, ((8, 16),)),)))
+    poisoned = ReferencePlan((Segment(0, 2),), ({"kind": "poison_data"},))
+    with pytest.raises(ReferenceMismatch, match="not this soak's reference spec"):
+        load_reference(tmp_path, spec, poisoned)

@@ -115,6 +115,7 @@ def test_baseline_that_never_restarts_is_not_detected_and_keeps_bad_steps() -> N
     )  # fmt: skip
     (poison,) = base.faults
     assert not poison.detected and not poison.right_action and not poison.recovered
+    assert poison.note == "no remedy; skipped updates kept in the final model at steps [41, 42]"
     assert base.bad_steps_kept == 2 and base.good_steps == 98
 
 
@@ -129,7 +130,7 @@ def test_infra_fault_right_action_is_no_remedy_and_untriggered_is_reported() -> 
     prom_score, never_score = s.faults
     assert prom_score.detected and not prom_score.right_action  # a remedy while Prometheus was down
     assert s.false_positives == 1
-    assert not never_score.triggered and never_score.note == "not triggered"
+    assert not never_score.triggered and never_score.note == "not injected"
 
 
 def test_nan_node_fault_counts_from_when_the_job_first_ran_on_the_node() -> None:
@@ -219,22 +220,140 @@ def test_a_fault_whose_cure_lands_on_the_next_fault_recovers_with_the_cure_after
     assert poison.recovered and poison.mttr_s == 31  # group 3/3's first step, at t=71
 
 
-def test_final_loss_is_compared_over_a_tenth_of_the_run() -> None:
-    """Per-step losses that differ by chance (different samples after a skip) but agree on
-    average: 32 steps see the noise, a tenth of the run does not."""
-    ref = run([(0, 0, 1000, "1/1")], loss=lambda s: 3.0 + (0.5 if s % 50 < 25 else -0.5))
-    other = run([(0, 0, 1000, "1/1")], loss=lambda s: 3.0 + (-0.5 if s % 50 < 25 else 0.5))
+def test_the_loss_is_compared_step_by_step_and_exactly() -> None:
+    """Equal at every step, or not: one step off in the last digit is a mismatch, and the
+    final loss's relative difference only says how far."""
+    same = score_system(
+        "nightwatch", injections=[], progress=REF, remedies=[], escalations=0,
+        submit_t=0.0, end_t=101.0, target_steps=100, reference=REF, reference_submit_t=0.0,
+    )  # fmt: skip
+    assert same.loss_equal and same.loss_steps_compared == 100 and same.loss_steps_unequal == 0
+    assert same.final_loss == same.reference_loss == 10.0 / 101
+    nudged = run([(0.0, 0, 100, "1/1")], loss=lambda s: math.nextafter(10.0 / (1 + s), 0.0)
+                 if s == 99 else 10.0 / (1 + s))  # fmt: skip
+    off = score_system(
+        "nightwatch", injections=[], progress=nudged, remedies=[], escalations=0,
+        submit_t=0.0, end_t=101.0, target_steps=100, reference=REF, reference_submit_t=0.0,
+    )  # fmt: skip
+    assert off.loss_equal is False and off.loss_steps_unequal == 1
+    assert off.loss_mismatches == [(99, math.nextafter(0.1, 0.0), 0.1)]
+    assert off.loss_rel_diff == 0.0  # the final step itself is equal
+    unreferenced = score_system(
+        "nightwatch", injections=[], progress=REF, remedies=[], escalations=0,
+        submit_t=0.0, end_t=101.0, target_steps=100, reference=None, reference_submit_t=None,
+    )  # fmt: skip
+    assert unreferenced.loss_equal is None
+
+
+def nw_remedy(t: float, kind: str, cause: str, job: str, **kw) -> Remedy:
+    """A remedy as Nightwatch records it: with the finding that caused it and its job."""
+    return Remedy(t, kind, cause=cause, job_id=job, **kw)
+
+
+def test_a_rollback_to_before_a_scheduled_fault_is_scored_by_cause() -> None:
+    """Issue 20, seed 5: a poisoned batch at step 41 was rolled back to step 30 after the NaN
+    node armed at step 50 had struck; by time windows the rollback fell into the NaN node's
+    window ("cured by None" for the poison). Matched by cause, the rollback names the
+    poisoned samples and the exclusion names the pinned node."""
+    p = run([(0, 0, 55, "1/1"), (60, 30, 60, "2/2"), (100, 40, 100, "3/3")])
+    for i, e in enumerate(p.steps):
+        if (e.incarnation == "1/1" and (e.step == 41 or e.step >= 50)) or (
+            e.incarnation == "2/2" and e.step >= 50
+        ):
+            p.steps[i] = StepEvent(e.t, e.step, e.loss, e.incarnation, skipped_update=True)
+    _place(p, {"1/1": ("n1", "n2"), "2/2": ("n1", "n2"), "3/3": ("n2", "n3")})
+    poison = Injection(
+        ScheduledFault(FaultKind.POISON_DATA, 41, {"start_sample": 320, "end_sample": 328}), None
+    )
+    nan = Injection(ScheduledFault(FaultKind.NAN_NODE, 50, {"job_node": 0}), None, node="n1")
     s = score_system(
-        "nightwatch", injections=[], progress=other, remedies=[], escalations=0,
-        submit_t=0.0, end_t=1001.0, target_steps=1000, reference=ref, reference_submit_t=0.0,
+        "nightwatch", injections=[poison, nan], progress=p,
+        remedies=[
+            nw_remedy(56.0, "rollback", "nonfinite", "1", skips=((320, 544),),
+                      attempt_nodes=("n1", "n2")),
+            nw_remedy(95.0, "exclude_node", "nonfinite", "2", nodes=("n1",),
+                      finding_nodes=("n1",), attempt_nodes=("n1", "n2")),
+        ],
+        escalations=0, submit_t=0.0, end_t=200.0, target_steps=100, reference=REF,
+        reference_submit_t=0.0,
     )  # fmt: skip
-    assert s.loss_window == 100 and s.loss_rel_diff is not None and s.loss_rel_diff < 0.01
-    short = score_system(
-        "nightwatch", injections=[], progress=other, remedies=[], escalations=0,
-        submit_t=0.0, end_t=1001.0, target_steps=1000, reference=ref, reference_submit_t=0.0,
-        loss_steps=32,
+    pois, sick = s.faults
+    assert sick.fault_t == 49  # step 50 of group 1/1 began when step 49 ended
+    assert pois.fault_t == 40 and pois.remedies == ["rollback"] and pois.right_action
+    assert pois.steps_lost == 25  # group 1/1 reached 55, group 2/2 resumed at 30
+    assert sick.remedies == ["exclude_node"] and sick.right_action and sick.recovered
+    assert sick.detection_latency_s == 46 and sick.steps_lost == 20  # 60 → 40
+    assert s.false_positives == 0
+
+
+def test_two_faults_in_one_recovery_each_get_their_own_remedy() -> None:
+    """A rank crash lands while a poisoned batch is still undetected: the restart (the job
+    failed) replays the poison, whose rollback follows. Both recover with group 3/3."""
+    p = run([(0, 0, 46, "1/1"), (50, 40, 45, "2/2"), (60, 40, 100, "3/3")])
+    for i, e in enumerate(p.steps):
+        if e.step == 41 and e.incarnation in ("1/1", "2/2"):
+            p.steps[i] = StepEvent(e.t, e.step, e.loss, e.incarnation, skipped_update=True)
+    poison = Injection(
+        ScheduledFault(FaultKind.POISON_DATA, 41, {"start_sample": 320, "end_sample": 328}), None
+    )
+    crash = Injection(ScheduledFault(FaultKind.RANK_CRASH, 45, {"rank": 1}), 45.5, job_id="1")
+    s = score_system(
+        "nightwatch", injections=[poison, crash], progress=p,
+        remedies=[
+            nw_remedy(48.0, "restart", "job_failed", "1"),
+            nw_remedy(55.0, "rollback", "nonfinite", "2", skips=((320, 328),)),
+        ],
+        escalations=0, submit_t=0.0, end_t=200.0, target_steps=100, reference=REF,
+        reference_submit_t=0.0,
     )  # fmt: skip
-    assert short.loss_rel_diff is not None and short.loss_rel_diff > 0.1
+    pois, crashed = s.faults
+    assert crashed.remedies == ["restart"] and crashed.right_action
+    assert crashed.detection_latency_s == 2.5 and crashed.mttr_s == 50 - 45.5 + 2
+    assert pois.remedies == ["rollback"] and pois.right_action and pois.detection_latency_s == 15
+    assert pois.mttr_s == 21  # group 3/3's first step, at t=61
+    assert s.false_positives == 0
+
+
+def test_a_remedy_of_another_cause_is_a_false_positive_not_a_cure() -> None:
+    """A restart of a job that nothing crashed is no cure for the crash of another job."""
+    crash = Injection(ScheduledFault(FaultKind.RANK_CRASH, 45, {"rank": 1}), 45.5, job_id="1")
+    s = score_system(
+        "nightwatch", injections=[crash], progress=REF,
+        remedies=[nw_remedy(48.0, "restart", "job_failed", "7"),
+                  nw_remedy(50.0, "rollback", "loss_spike", "1", skips=((0, 8),))],
+        escalations=0, submit_t=0.0, end_t=101.0, target_steps=100, reference=REF,
+        reference_submit_t=0.0,
+    )  # fmt: skip
+    (score,) = s.faults
+    assert not score.detected and score.cured_by is None and s.false_positives == 2
+
+
+def test_poisoned_samples_strike_when_first_trained_and_a_skipped_window_never_does() -> None:
+    """The trainer's cursor says which step trained a poisoned sample: after a rollback that
+    skipped [256, 544), a window inside it is never trained and says so."""
+    p = Progress()
+    p.starts = [
+        StartEvent(0.0, 0, "1/1", cursor=0),
+        StartEvent(50.0, 30, "2/2", cursor=240, skips=((256, 544),)),
+    ]
+    p.steps = [StepEvent(float(s), s, 1.0, "1/1", consumed=8 * s) for s in range(1, 41)] + [
+        StepEvent(50.0 + s - 30, s, 1.0, "2/2", consumed=8 * s + (288 if s > 32 else 0))
+        for s in range(31, 60)
+    ]
+    hit = ScheduledFault(FaultKind.POISON_DATA, 33, {"start_sample": 256, "end_sample": 264})
+    later = ScheduledFault(FaultKind.POISON_DATA, 50, {"start_sample": 392, "end_sample": 400})
+    s = score_system(
+        "nightwatch", injections=[Injection(hit, None), Injection(later, None)], progress=p,
+        remedies=[], escalations=0, submit_t=0.0, end_t=100.0, target_steps=59, reference=None,
+        reference_submit_t=None,
+    )  # fmt: skip
+    first, never = s.faults
+    assert first.fault_t == 32.0  # step 33 (samples [256, 264)) began when step 32 ended
+    assert first.note == ""  # rolled back: the final model never trained them
+    assert not never.triggered
+    assert (
+        never.note == "never struck: samples [392, 400) were skipped before any step trained them"
+    )
 
 
 def test_parse_reads_the_nodes_a_group_ran_on() -> None:
@@ -264,3 +383,26 @@ def test_a_record_behind_another_ranks_unfinished_output_is_kept() -> None:
     record = {"ts": 5, "event": "train_start", "step": 20, "attempt": 2, "job_id": "7"}
     line = "/work/main/megatron_runs/cpu_compat.py:218: UserWarnin" + json.dumps(record)
     assert [s.step for s in parse_lines([line]).starts] == [20]
+
+
+def test_an_unseen_poison_says_which_steps_of_the_final_model_trained_it() -> None:
+    """Issue 20, seed 11: a spike window nobody remedied; the score names the steps whose
+    poisoned samples the final model kept (and any update the trainer threw away)."""
+    p = Progress()
+    p.starts = [StartEvent(0.0, 0, "1/1", cursor=0)]
+    p.steps = [
+        StepEvent(float(s), s, 1.0, "1/1", skipped_update=s == 30, consumed=8 * s)
+        for s in range(1, 41)
+    ]
+    spike = ScheduledFault(FaultKind.POISON_DATA, 29, {"start_sample": 224, "end_sample": 248})
+    s = score_system(
+        "nightwatch", injections=[Injection(spike, None, "armed in spec")], progress=p,
+        remedies=[], escalations=0, submit_t=0.0, end_t=41.0, target_steps=40, reference=None,
+        reference_submit_t=None,
+    )  # fmt: skip
+    (score,) = s.faults
+    assert score.fault_t == 28.0 and not score.detected
+    assert score.note == (
+        "armed in spec; no remedy; the final model trained its samples at steps [29, 30, 31] "
+        "(update skipped at [30])"
+    )
