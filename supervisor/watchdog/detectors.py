@@ -36,8 +36,10 @@ from supervisor.watchdog.snapshot import (
     SourceHealth,
 )
 
-#: Fewest baseline samples before a loss spike or throughput drop can be judged at all.
+#: Fewest baseline samples before a throughput drop can be judged at all.
 MIN_BASELINE_SAMPLES = 5
+#: Fewest training steps a loss baseline must have watched before a spike can be judged.
+MIN_BASELINE_STEPS = 5
 #: Fewest samples a loss baseline is made of when the step window holds fewer.
 BASELINE_MIN_POINTS = 12
 #: 1.4826 × MAD estimates the standard deviation of normal noise.
@@ -223,6 +225,22 @@ def _trailing_episode(
     return start
 
 
+def _steps_seen(points: Sequence[MetricSample], first_own: int = 0) -> int:
+    """Training steps whose loss `points` watched: each sample its own step, and through its
+    window gauges the steps since the previous sample (at most the window's length). Why:
+    with many steps per scrape, a handful of samples has watched every step, and a baseline
+    needs steps watched, not scrapes. A sample opening a segment (the first, or this
+    attempt's first after the prior) counts its own step only: its process's window may
+    not reach back to the previous sample."""
+    seen = 0
+    for i, p in enumerate(points):
+        if i in (0, first_own) or not _finite(p.loss_window_min):
+            seen += 1
+        else:
+            seen += max(1, min((p.step or 0) - (points[i - 1].step or 0), METRIC_WINDOW_STEPS))
+    return seen
+
+
 def _baseline(points: Sequence[MetricSample], end: int, rc: RecoverySpec) -> list[MetricSample]:
     """The trailing `loss_spike_window` steps before index `end`; when scrapes are sparse
     (few samples in that many steps), the last BASELINE_MIN_POINTS samples instead."""
@@ -253,8 +271,6 @@ def detect_loss_spike(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     if len(prior) < BASELINE_MIN_POINTS:
         prior = below[-BASELINE_MIN_POINTS:]
     points = prior + own
-    if len(points) <= MIN_BASELINE_SAMPLES:
-        return []
     first_own = len(prior)  # only this attempt's steps can convict: the prior is a baseline
     finding = _sustained_spike(points, rc, first_own) or _hard_spike(points, rc, first_own)
     if finding is None:
@@ -292,7 +308,7 @@ def _sustained_spike(
     # Median/MAD shrug off a short spike; a long one would drag them up, so re-judge
     # against the trailing window that ends where the episode starts.
     baseline = _baseline(points, start, rc)
-    if len(baseline) < MIN_BASELINE_SAMPLES:
+    if _steps_seen(baseline, first_own - (start - len(baseline))) < MIN_BASELINE_STEPS:
         return None
     thr, med, mad = spike_threshold([p.loss for p in baseline], rc)  # type: ignore[misc]
     start = _trailing_episode(points, high(thr))
@@ -332,8 +348,10 @@ def _hard_spike(
     passed: with fast steps it may be visible in one scrape only, and the bad batch it marks is
     still worth skipping (Megatron acts on it too)."""
     latest = points[-1]
-    for i in range(max(MIN_BASELINE_SAMPLES, first_own), len(points)):
+    for i in range(max(1, first_own), len(points)):
         baseline = _baseline(points, i, rc)
+        if _steps_seen(baseline, first_own - (i - len(baseline))) < MIN_BASELINE_STEPS:
+            continue
         ref = max(p.loss for p in baseline)  # type: ignore[type-var]
         thr = rc.loss_spike_hard_factor * ref  # type: ignore[operator]
         if ref <= 0 or _window_max(points[i]) <= thr:

@@ -82,6 +82,30 @@ def test_spike_between_scrapes_counts_its_real_length_via_window_min(rc: Recover
     assert f.last_healthy_step == 512 and f.first_bad_step == 528
 
 
+@pytest.mark.parametrize(
+    ("steps_per_sample", "factor"), [(7, 6.0), (8, 6.0), (8, 25.0), (9, 25.0), (12, 25.0)]
+)
+def test_spike_early_in_a_run_is_found_when_scrapes_are_sparse(
+    rc: RecoverySpec, steps_per_sample: int, factor: float
+) -> None:
+    """The demo's flake: 8-12 steps a scrape leave only 2-4 samples before a 24-step spike
+    at step 36, yet through the window gauges they watched every step, enough for a
+    baseline. The spike is found while it lasts (a 25x one, as the demo's poison, by the
+    hard rule)."""
+    spike = (36, 60)
+    for seed in range(10):
+        samples = simulate(
+            seed,
+            steps=80,
+            steps_per_sample=steps_per_sample,
+            faults=Faults(spike_steps=spike, spike_factor=factor),
+        )
+        upto = [s for s in samples if (s.step or 0) < spike[1]]
+        (f,) = detect_loss_spike(snapshot(upto), rc)
+        assert f.last_healthy_step is not None and f.first_bad_step is not None
+        assert f.last_healthy_step < spike[0] <= f.first_bad_step, seed
+
+
 def test_spike_that_resolved_itself_is_not_reported(rc: RecoverySpec) -> None:
     samples = simulate(8, steps=400, steps_per_sample=1, faults=Faults(spike_steps=(200, 206)))
     upto = [s for s in samples if (s.step or 0) <= 260]
