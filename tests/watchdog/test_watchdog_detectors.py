@@ -569,3 +569,61 @@ def test_nonfinite_grads_with_a_finite_loss_are_marked_grads_only(rc: RecoverySp
     assert f.evidence["grads_only"] is True
     data = simulate(1, steps=200, steps_per_sample=2, faults=Faults(nan_from=151))
     assert detect_nonfinite(snapshot(data), rc)[0].evidence["grads_only"] is False
+
+
+#: The short chaos soak's seed-3 run (poison_data: samples [864, 896) trained at steps
+#: 109-112, loss ~180 against ~6.5) as its watchdog saw it on the tick at +50.06 s: the
+#: previous attempts' samples below the resume point (one bridged scrape of each), then
+#: attempt 3's bridged scrape and Prometheus's scrapes (from the run's TSDB). Columns:
+#: seconds, step, loss, loss window max, loss window min, samples consumed, last-step time.
+_SOAK_SEED3_PRIOR = [
+    (33.92, 19, 7.701, 8.307, 7.685, 152, 33.866),
+    (39.96, 50, 6.876, 7.179, 6.524, 400, 39.827),
+]
+_SOAK_SEED3_OWN = [
+    (46.03, 69, 6.514, 6.960, 5.931, 552, 45.990),
+    (47.51, 94, 6.483, 6.693, 5.626, 752, 47.512),
+    (48.51, 110, 181.757, 182.385, 5.800, 880, 48.391),
+    (49.51, 129, 6.297, 6.586, 5.653, 1032, 49.480),
+]
+
+
+def _soak_samples(
+    rows: list[tuple[float, int, float, float, float, int, float]],
+) -> list[MetricSample]:
+    base = 1_000_000.0
+    return [
+        MetricSample(
+            t=base + t,
+            step=step,
+            loss=loss,
+            loss_window_max=wmax,
+            loss_window_min=wmin,
+            samples_consumed=consumed,
+            last_step_ts=base + last,
+        )
+        for t, step, loss, wmax, wmin, consumed, last in rows
+    ]
+
+
+def test_soak_spike_seen_in_one_scrape_after_two_restarts_is_found(rc: RecoverySpec) -> None:
+    """The seed-3 soak's miss, replayed: after a crash and a NaN rollback the poisoned
+    window showed in one scrape only, the 5th of the 6 samples held (2 prior + 4 own). A
+    gate counted in scrapes judged no sample before the 6th, so that one was never judged;
+    counted in steps watched, the 3 samples before it have watched ~60 steps and it is
+    judged (10 × a trailing max of 7.7 is 77 < 182)."""
+    prior = _soak_samples(_SOAK_SEED3_PRIOR)
+    own = _soak_samples(_SOAK_SEED3_OWN)
+    snap = snapshot(own, now=own[-1].t + 0.55, prior=prior, nodes=("n2", "n3"))
+    (f,) = detect_all(snap, rc)
+    assert f.kind is FindingKind.LOSS_SPIKE and f.evidence["rule"] == "hard_factor"
+    assert (f.last_healthy_step, f.first_bad_step) == (94, 110)
+    assert f.sample_window == (752, 880)  # holds the poisoned window's start, 864
+    # The run's last scrape (step 146, on the next tick) does not hide it either.
+    (last,) = _soak_samples([(50.51, 146, 5.448, 6.525, 5.448, 1168, 50.496)])
+    (g,) = detect_loss_spike(snapshot([*own, last], prior=prior, nodes=("n2", "n3")), rc)
+    assert (g.last_healthy_step, g.first_bad_step) == (94, 110)
+    # The same scrapes with step 110 healthy (the loss and window max of steps 108, 107)
+    # yield nothing.
+    clean = [*own[:2], dataclasses.replace(own[2], loss=6.382, loss_window_max=6.739), own[3]]
+    assert detect_all(snapshot(clean, prior=prior, nodes=("n2", "n3")), rc) == []
