@@ -555,10 +555,9 @@ def _checkpoint(
 
     A storage failure is reported and training goes on (the next interval retries). A failed
     collective is not caught: a peer died mid-save, and ranks that go on from wherever their
-    save broke off meet in different collectives and hang (tests/train/test_save_failures.py;
-    the likely cause of the tenth session's CI failure, where a rank killed at the step-30 save
-    read as a hang on its node). Raised, every rank exits and the job fails at once: a crash,
-    which the watchdog restarts."""
+    save broke off meet in different collectives and hang (tests/train/test_save_failures.py),
+    which reads as a hang of a healthy node. Raised, every rank exits and the job fails at
+    once: a crash, which the watchdog restarts."""
     t0 = time.perf_counter()
     protect = {resumed_from} if resumed_from else set()
     try:

@@ -713,8 +713,8 @@ class LocalCluster:
 
         Not submitit's cancel: that is a SIGINT to the controller, and a supervisor started
         with SIGINT ignored (any job a shell puts in the background) passes that on to its
-        children. The tasks then trained on beside the next attempt, and their checkpoint
-        saves collided (tenth session's CI)."""
+        children. The tasks would then train on beside the next attempt, and their checkpoint
+        saves collide."""
         entry = self._jobs.get(job_id)
         if entry is None:
             return

@@ -554,8 +554,8 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
 
     Otherwise the stillness must be seen, not assumed: it counts up to the newest sample, not
     to now. After a blind spot (Prometheus restarted, its first scrapes not yet in) the newest
-    sample still holds the step before it, and the gap is no evidence (the ninth session's
-    soak excluded a healthy node that way)."""
+    sample still holds the step before it, and the gap is no evidence (judged as a hang, it
+    would exclude a healthy node)."""
     if not _job_running(snap) or not snap.metrics.samples:
         return []
     latest = snap.metrics.samples[-1]
