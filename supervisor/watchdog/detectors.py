@@ -348,33 +348,75 @@ def _hard_spike(
     passed: with fast steps it may be visible in one scrape only, and the bad batch it marks is
     still worth skipping (Megatron acts on it too)."""
     latest = points[-1]
+    factor = rc.loss_spike_hard_factor
     for i in range(max(1, first_own), len(points)):
         baseline = _baseline(points, i, rc)
         if _steps_seen(baseline, first_own - (i - len(baseline))) < MIN_BASELINE_STEPS:
             continue
         ref = max(p.loss for p in baseline)  # type: ignore[type-var]
-        thr = rc.loss_spike_hard_factor * ref  # type: ignore[operator]
-        if ref <= 0 or _window_max(points[i]) <= thr:
+        thr = factor * ref  # type: ignore[operator]
+        if ref <= 0:
             continue
         healthy = points[i - 1]
+        excess = _loss_excess(healthy, points[i], baseline, factor) if i > first_own else None
+        if _window_max(points[i]) > thr:
+            rule, summary = (
+                "hard_factor",
+                (
+                    f"loss {_window_max(points[i]):.3g} > {factor:g} × trailing max {ref:.3g} "
+                    f"after step {healthy.step}"
+                ),
+            )
+        elif excess is not None:
+            rule, summary = (
+                "hard_factor_sum",
+                (
+                    f"steps {healthy.step}-{points[i].step} carried {excess:.3g} of loss above the "
+                    f"trailing max {ref:.3g}: more than one step at {factor:g} × it"
+                ),
+            )
+        else:
+            continue
         return Finding(
             kind=FindingKind.LOSS_SPIKE,
-            summary=(
-                f"loss {_window_max(points[i]):.3g} > {rc.loss_spike_hard_factor:g} × "
-                f"trailing max {ref:.3g} after step {healthy.step}"
-            ),
+            summary=summary,
             cause=Cause.DATA,
             evidence={
                 "loss": latest.loss,
                 "loss_window_max": latest.loss_window_max,
                 "trailing_max": ref,
                 "threshold": thr,
-                "rule": "hard_factor",
+                "rule": rule,
                 "baseline_samples": len(baseline),
             },
             **_onset_fields(healthy, points[i]),  # type: ignore[arg-type]
         )
     return None
+
+
+def _loss_excess(
+    before: MetricSample, after: MetricSample, baseline: Sequence[MetricSample], factor: float
+) -> float | None:
+    """The loss that the steps no scrape's window saw carried above the baseline's highest
+    loss, when it is more than one step at `factor` × that loss would carry (else None).
+
+    The trainer's loss window covers its last METRIC_WINDOW_STEPS steps, so when two scrapes
+    of one process are further apart the steps before the later window pass unseen by it, but
+    not by the `loss_sum` and `steps_total` counters. The window's steps carry at most its max
+    each; what the rest carried above the baseline's highest loss sums a run's noise to about
+    nothing, so an excess worth a hard spike is one (or several steps as bad together),
+    wherever it fell. Non-finite losses add nothing to `loss_sum`."""
+    counters = (before.loss_sum, before.steps_total, after.loss_sum, after.steps_total)
+    if not all(_finite(c) for c in counters):
+        return None
+    steps = int(after.steps_total - before.steps_total)  # type: ignore[operator]
+    unseen = steps - METRIC_WINDOW_STEPS
+    if unseen <= 0:
+        return None
+    highest = max(_window_max(p) for p in baseline)
+    carried = after.loss_sum - before.loss_sum  # type: ignore[operator]
+    excess = carried - METRIC_WINDOW_STEPS * _window_max(after) - unseen * highest
+    return excess if excess > (factor - 1) * highest else None
 
 
 def detect_grad_explosion(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:

@@ -627,3 +627,29 @@ def test_soak_spike_seen_in_one_scrape_after_two_restarts_is_found(rc: RecoveryS
     # yield nothing.
     clean = [*own[:2], dataclasses.replace(own[2], loss=6.382, loss_window_max=6.739), own[3]]
     assert detect_all(snapshot(clean, prior=prior, nodes=("n2", "n3")), rc) == []
+
+
+@pytest.mark.parametrize("steps_per_sample", [20, 33, 40])
+def test_spike_between_scrapes_further_apart_than_the_window_is_found(
+    rc: RecoverySpec, steps_per_sample: int
+) -> None:
+    """Scrapes further apart than the trainer's loss window (the soak's 2 s ticks at ~20 steps
+    a second): a 4-step 25× spike no window ever showed is still in the loss counters, and is
+    found with its onset bounded by the scrapes around it; a clean run at the same spacing
+    stays quiet."""
+    for seed in range(10):
+        samples = simulate(
+            seed,
+            steps=400,
+            steps_per_sample=steps_per_sample,
+            faults=Faults(spike_steps=(201, 205), spike_factor=25.0),
+        )
+        after = next(s for s in samples if (s.step or 0) >= 205)
+        assert after.loss_window_max < 2 * after.loss, "the window shows it: not this case"
+        (f,) = detect_loss_spike(snapshot([s for s in samples if s.step <= after.step]), rc)
+        assert f.evidence["rule"] == "hard_factor_sum", seed
+        assert f.last_healthy_step < 201 <= f.first_bad_step == after.step
+        lo, hi = f.sample_window  # type: ignore[misc]
+        assert lo <= 200 * GLOBAL_BATCH < 204 * GLOBAL_BATCH < hi
+        clean = simulate(seed, steps=400, steps_per_sample=steps_per_sample)
+        assert detect_loss_spike(snapshot(clean), rc) == [], seed
