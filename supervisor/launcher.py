@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobRequest, JobState, JobStatus, Submission
 from supervisor.spec import RunSpec
 from worker.task import TrainingTask
@@ -30,6 +31,10 @@ class NodeSetup:
 
     python: str | None = None
     setup: tuple[str, ...] = ()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> NodeSetup:
+        return cls(settings.job_python, settings.job_setup)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ PREVIEW_RUN_ID = "r-dry-run"
 
 
 def sbatch_preview(spec: RunSpec, settings: Settings) -> dict[str, Any]:
-    """sbatch parameters, the batch script and the job's environment names (values of
-    secrets are never shown: the worker token is minted at submission)."""
+    """sbatch parameters, the batch script and the job's environment (without secrets: the
+    worker token is minted at submission)."""
     plan = SubmitPlan(
         run_id=PREVIEW_RUN_ID,
         attempt=1,
@@ -29,7 +29,7 @@ def sbatch_preview(spec: RunSpec, settings: Settings) -> dict[str, Any]:
         checkpoint_dir=checkpoint_dir(settings.home, PREVIEW_RUN_ID, spec),
         log_dir=attempt_log_dir(settings.home, PREVIEW_RUN_ID, 1),
         supervisor_url=settings.public_url,
-        node_setup=NodeSetup(settings.job_python, settings.job_setup),
+        node_setup=NodeSetup.from_settings(settings),
     )
     request = job_request(plan)
     return {

@@ -1107,7 +1107,7 @@ def build_reconciler(
             supervisor_url=settings.public_url,
             tick_seconds=settings.tick_seconds,
             lease_ttl_s=max(30.0, 5 * settings.tick_seconds),
-            node_setup=NodeSetup(settings.job_python, settings.job_setup),
+            node_setup=NodeSetup.from_settings(settings),
         ),
         registry=registry,
         supervisor_metrics=supervisor_metrics,
