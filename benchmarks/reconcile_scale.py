@@ -35,12 +35,12 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
 from supervisor.models import RunState
 from supervisor.prometheus import PrometheusSource
 from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, Submission
-from supervisor.spec import RunSpec
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 
 SPEC = {

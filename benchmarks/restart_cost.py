@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.soak.progress import parse_lines  # noqa: E402
+from contracts.spec import RunSpec  # noqa: E402
 from supervisor import launcher  # noqa: E402
 from supervisor.slurm import LocalCluster, wait_for  # noqa: E402
-from supervisor.spec import RunSpec  # noqa: E402
 
 WAYS = ("node_task_forks_ranks", "task_per_rank")
 

@@ -35,8 +35,8 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
+from contracts.spec import RunSpec  # noqa: E402
 from megatron_runs import loop  # noqa: E402
-from supervisor.spec import RunSpec  # noqa: E402
 
 
 def main() -> int:

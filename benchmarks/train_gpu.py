@@ -37,9 +37,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from contracts.spec import RunSpec  # noqa: E402
 from megatron_runs.launch_local import launch  # noqa: E402
 from megatron_runs.schedule import H100_BF16_PEAK, flops_per_token  # noqa: E402
-from supervisor.spec import RunSpec  # noqa: E402
 
 WARMUP = 5
 

@@ -4,7 +4,7 @@ Runs each stage in fresh interpreters, several times, and prints the median seco
 `import torch`, then `megatron_runs.loop` (cpu_compat + megatron.core + our modules) as a
 plain import and as `megatron_runs.train.train` does it (`import_frozen`: the cyclic
 collector off during the import), and, for contrast, what the supervisor pays to read checkpoints
-(`megatron_runs.checkpointing`). With `--concurrent N`, N interpreters import at once, as the
+(`contracts.checkpoints`). With `--concurrent N`, N interpreters import at once, as the
 N ranks of one node do at every restart, and a stage's time is the slowest of them. The
 stages alternate within each repeat, so their ratio is measured side by side.
 
@@ -34,9 +34,9 @@ STAGES = {
         "from megatron_runs.train import import_frozen",
         "import_frozen('megatron_runs.loop')",
     ),
-    "megatron_runs.checkpointing (supervisor side)": (
+    "contracts.checkpoints (supervisor side)": (
         "pass",
-        "import megatron_runs.checkpointing",
+        "import contracts.checkpoints",
     ),
 }
 

@@ -17,7 +17,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
-from megatron_runs import checkpointing as ck
+from contracts import checkpoints as ck
 from megatron_runs.cpu_compat import collective_device
 
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_runs import exitcodes
-from supervisor.spec import CorruptCheckpointFault, CrashFault, NodeFault, PoisonDataFault, RunSpec
+from contracts import exitcodes
+from contracts.spec import CorruptCheckpointFault, CrashFault, NodeFault, PoisonDataFault, RunSpec
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,11 @@ from megatron.core.optimizer import (  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
-from megatron_runs import checkpointing as ck  # noqa: E402
-from megatron_runs import dist_ckpt, exitcodes, replicas  # noqa: E402
+from contracts import checkpoints as ck  # noqa: E402
+from contracts import exitcodes  # noqa: E402
+from contracts.spec import RunSpec  # noqa: E402
+from contracts.task import TrainContext, nightwatch_home  # noqa: E402
+from megatron_runs import dist_ckpt, replicas  # noqa: E402
 from megatron_runs.data import MicroBatch, TokenStream, build_microbatches, to_device  # noqa: E402
 from megatron_runs.data_prep import prepare  # noqa: E402
 from megatron_runs.faults import Faults  # noqa: E402
@@ -46,8 +49,7 @@ from megatron_runs.metrics import StepReport, TrainMetrics  # noqa: E402
 from megatron_runs.model import build_gpt, init_layout_independent, transformer_config  # noqa: E402
 from megatron_runs.sampling import rank_slice, take_step  # noqa: E402
 from megatron_runs.schedule import flops_per_token, lr_at, peak_flops  # noqa: E402
-from megatron_runs.train import TrainContext, TrainResult, nightwatch_home  # noqa: E402
-from supervisor.spec import RunSpec  # noqa: E402
+from megatron_runs.train import TrainResult  # noqa: E402
 
 #: The step's all-reduced stats: loss sum, microbatch count, stop signal; then one slot per
 #: node of the job, set where a device of that node made non-finite gradients.

@@ -23,7 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from supervisor.spec import RunSpec
+from contracts.spec import RunSpec
 
 
 class SDPACoreAttention(MegatronModule):

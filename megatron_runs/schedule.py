@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 
-from supervisor.spec import RunSpec, TrainingSpec
+from contracts.spec import RunSpec, TrainingSpec
 
 H100_BF16_PEAK = 989e12
 

@@ -11,29 +11,13 @@ import argparse
 import gc
 import importlib
 import os
-import socket
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from supervisor.spec import RunSpec
-
-
-@dataclass
-class TrainContext:
-    """Everything about one attempt that is not in the spec (docs/contracts.md)."""
-
-    run_id: str
-    attempt: int
-    node: str
-    checkpoint_dir: Path
-    resume_step: int | None = None
-    skip_ranges: list[tuple[int, int]] = field(default_factory=list)
-    metrics_port: int | None = None
-    on_metrics_ready: Callable[[str, int], None] | None = None
-    stop_at_step: int | None = None
+from contracts.spec import RunSpec
+from contracts.task import TrainContext, nightwatch_home, node_name
 
 
 @dataclass
@@ -42,19 +26,6 @@ class TrainResult:
     final_step: int
     consumed_samples: int
     losses: list[float] = field(default_factory=list)
-
-
-def nightwatch_home() -> Path:
-    return Path(os.environ.get("NIGHTWATCH_HOME", Path.home() / ".nightwatch"))
-
-
-def node_name() -> str:
-    """The node name of docs/contracts.md (SLURMD_NODENAME, else the hostname)."""
-    try:
-        from worker.env import node_name as worker_node_name
-    except ImportError:
-        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    return worker_node_name()
 
 
 def train(spec: RunSpec, ctx: TrainContext) -> TrainResult:

@@ -13,13 +13,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contracts import exitcodes
+from contracts.spec import RunSpec
 from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobRequest, JobState, JobStatus, Submission
-from supervisor.spec import RunSpec
 from worker.task import TrainingTask
-
-EXIT_REQUEUE = 75  # megatron_runs.exitcodes.REQUEUE; not imported to keep the supervisor light
-EXIT_INJECTED_CRASH = 76
 
 
 @dataclass(frozen=True)
@@ -180,7 +178,7 @@ def attempt_state(status: JobStatus) -> str | None:
     """
     if status.state is JobState.UNKNOWN:
         return None
-    if status.state is JobState.FAILED and status.exit_code == EXIT_REQUEUE:
+    if status.state is JobState.FAILED and status.exit_code == exitcodes.REQUEUE:
         return "preempted"
     return _ATTEMPT_STATE[status.state]
 
@@ -215,7 +213,7 @@ def continuation(
     if step >= train_steps:
         return Continuation(Next.DONE, step, f"checkpoint at step {step} ≥ train_steps")
     stopped = status.state in (JobState.TIMEOUT, JobState.PREEMPTED, JobState.DEADLINE) or (
-        status.state is JobState.FAILED and status.exit_code == EXIT_REQUEUE
+        status.state is JobState.FAILED and status.exit_code == exitcodes.REQUEUE
     )
     if stopped:
         return Continuation(Next.CONTINUE, last_checkpoint_step, f"{status.state} at step {step}")

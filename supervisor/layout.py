@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from supervisor.spec import RunSpec
+    from contracts.spec import RunSpec
 
 GB = 1e9
 GIB = 2**30
@@ -189,7 +189,7 @@ def layout_report(spec: RunSpec) -> LayoutReport:
 
 
 def layout_errors(spec: RunSpec) -> list[str]:
-    """The blocking problems as `field: message` lines (used by `RunSpec.layout_problems`)."""
+    """The blocking problems as `field: message` lines ."""
     return [f"{p.field}: {p.message}" for p in layout_report(spec).errors]
 
 

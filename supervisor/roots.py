@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import PurePosixPath
 
+from contracts.spec import RunSpec
 from supervisor.layout import Problem
 from supervisor.settings import Settings
-from supervisor.spec import RunSpec
 
 
 def overlaps(a: str, b: str) -> bool:

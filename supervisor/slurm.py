@@ -33,7 +33,8 @@ from typing import Protocol
 import psutil
 import submitit
 
-from supervisor.slurm_names import check_job_name, check_node_name, check_slurm_name
+from contracts import exitcodes
+from contracts.slurm_names import check_job_name, check_node_name, check_slurm_name
 
 log = logging.getLogger("nightwatch.slurm")
 
@@ -51,7 +52,7 @@ class Unsupported(RuntimeError):
 
 
 class InvalidRequest(Unsupported):
-    """A string bound for sbatch or scontrol breaks its pattern (`supervisor.slurm_names`):
+    """A string bound for sbatch or scontrol breaks its pattern (`contracts.slurm_names`):
     never sent. The spec refuses such strings; this guards anything stored before it did."""
 
 
@@ -566,7 +567,7 @@ def sbatch_parameters(request: JobRequest) -> dict[str, object]:
     """submitit SlurmExecutor parameters for a request (pure; tested without SLURM).
 
     Every string here becomes an `#SBATCH` line of a bash script, so each is checked against
-    its pattern (`supervisor.slurm_names`) whatever checked it before: InvalidRequest otherwise.
+    its pattern (`contracts.slurm_names`) whatever checked it before: InvalidRequest otherwise.
     """
     params: dict[str, object] = {
         "job_name": _checked(check_job_name, request.job_name),
@@ -769,16 +770,16 @@ class LocalCluster:
 
 
 def task_exit_code(codes: Sequence[int], tasks: int) -> int | None:
-    """One job code from its tasks' codes: an error beats a requeue (75) beats success.
+    """One job code from its tasks' codes: an error beats a requeue beats success.
 
     None when some task left no code (killed by a signal before it could write one).
     """
     if len(codes) < tasks:
         return None
-    errors = [c for c in codes if c not in (0, 75)]
+    errors = [c for c in codes if c not in (exitcodes.OK, exitcodes.REQUEUE)]
     if errors:
         return max(errors)
-    return 75 if 75 in codes else 0
+    return exitcodes.REQUEUE if exitcodes.REQUEUE in codes else exitcodes.OK
 
 
 def make_cluster(

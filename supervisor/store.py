@@ -21,6 +21,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from contracts.spec import RunSpec
 from supervisor.auth import Scope, hash_secret, new_secret
 from supervisor.models import (
     ACTIVE_RUN_STATES,
@@ -44,7 +45,6 @@ from supervisor.models import (
     utcnow,
 )
 from supervisor.roots import ancestors, overlaps
-from supervisor.spec import RunSpec
 
 
 class StoreError(Exception):

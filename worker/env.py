@@ -16,11 +16,6 @@ MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 10000
 
 
-def node_name() -> str:
-    """The node's name for metrics, faults, exclusions (docs/contracts.md "Node identity")."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
 @dataclass(frozen=True)
 class TaskInfo:
     job_id: str

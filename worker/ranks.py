@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from contracts import exitcodes
 from worker.env import TaskInfo
 
 #: How long the peers of a failed rank may take to fail on their own before they are killed.
@@ -34,7 +35,6 @@ PEER_GRACE_S = 2.0
 REAP_INTERVAL_S = 0.05
 #: The signals a scheduler sends to stop a job with a checkpoint (walltime, preemption).
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-EXIT_REQUEUE = 75  # megatron_runs.exitcodes.REQUEUE: checkpointed on a stop signal
 #: The node task's own name once it forks: `ps` shows `nw-node` over its `nw-rank<N>`s.
 NODE_PROCESS_NAME = "nw-node"
 _PR_SET_PDEATHSIG = 1
@@ -46,17 +46,17 @@ def node_outcome(codes: Sequence[int]) -> int:
     `os.waitstatus_to_exitcode` gives them (negative: killed by that signal).
 
     The first failure is the cause and the rest its consequences (peers whose collective broke,
-    or that were killed after the grace), so it wins; otherwise a requeue (75) beats success.
+    or that were killed after the grace), so it wins; otherwise a requeue beats success.
     """
     for code in codes:
         if _failed(code):
             return code
-    return EXIT_REQUEUE if EXIT_REQUEUE in codes else 0
+    return exitcodes.REQUEUE if exitcodes.REQUEUE in codes else exitcodes.OK
 
 
 def _failed(code: int) -> bool:
     """Neither done nor checkpointed on a stop signal: an error code or a killing signal."""
-    return code not in (0, EXIT_REQUEUE)
+    return code not in (exitcodes.OK, exitcodes.REQUEUE)
 
 
 def name_process(name: str) -> None:

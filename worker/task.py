@@ -26,10 +26,12 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
-from megatron_runs import exitcodes
+from contracts import exitcodes
+from contracts.spec import RunSpec
+from contracts.task import TrainContext, node_name
 from worker.devices import missing_gpus
-from worker.env import TaskInfo, dist_env, node_name, rank_infos, task_info
-from worker.ranks import EXIT_REQUEUE, NODE_PROCESS_NAME, fork_ranks, name_process
+from worker.env import TaskInfo, dist_env, rank_infos, task_info
+from worker.ranks import NODE_PROCESS_NAME, fork_ranks, name_process
 from worker.registration import Registrar
 
 log = logging.getLogger("nightwatch.worker")
@@ -136,11 +138,9 @@ class TrainingTask:
             log.info("task device node=%s rank=%d gpu=%s", node, info.global_rank, gpu,
                      extra=context)  # fmt: skip
         module = importlib.import_module(self.entry)
-        from supervisor.spec import RunSpec
-
         spec = RunSpec.model_validate_json(self.spec_json)
         registrar = _registrar(self.run_id, self.attempt, node)
-        ctx = module.TrainContext(
+        ctx = TrainContext(
             run_id=self.run_id,
             attempt=self.attempt,
             node=node,
@@ -153,7 +153,7 @@ class TrainingTask:
         )
         if early.signum is not None:
             log.warning("stop signal %d before training started", early.signum, extra=context)
-            return EXIT_REQUEUE
+            return exitcodes.REQUEUE
         try:
             result = module.train(spec, ctx)
         finally:
@@ -223,6 +223,6 @@ def _select_device(local_rank: int) -> str | None:
 
 
 def _configure_logging() -> None:
-    from supervisor.logs import configure_logging
+    from contracts.logs import configure_logging
 
     configure_logging()

@@ -21,8 +21,8 @@ from benchmarks.soak.faults import Injector, JobView, NoTarget
 from benchmarks.soak.progress import LogFollower, Progress
 from benchmarks.soak.schedule import NODE_FAULTS, FaultKind, ScheduledFault, spec_fault
 from benchmarks.soak.score import Injection, Remedy
+from contracts.spec import NodeFault
 from megatron_runs.faults import pinned_node
-from supervisor.spec import NodeFault
 
 POLL_S = 0.5
 #: torch.distributed's default collective timeout for gloo (and Megatron's

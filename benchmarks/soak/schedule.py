@@ -108,7 +108,7 @@ class Schedule:
     faults: tuple[ScheduledFault, ...]
 
     def spec_faults(self) -> list[dict[str, Any]]:
-        """`RunSpec.faults` entries (supervisor.spec) for the spec-side faults."""
+        """`RunSpec.faults` entries (contracts.spec) for the spec-side faults."""
         return [spec_fault(f) for f in self.faults if f.spec_side]
 
     def render(self) -> str:
@@ -143,7 +143,7 @@ class Schedule:
 
 
 def spec_fault(fault: ScheduledFault) -> dict[str, Any]:
-    """The `supervisor.spec` fault entry for a spec-side fault."""
+    """The `contracts.spec` fault entry for a spec-side fault."""
     p = fault.params
     if fault.kind is FaultKind.POISON_DATA:
         return {

@@ -12,13 +12,13 @@ import asyncio
 
 from fastapi import HTTPException
 
+from contracts.spec import RunSpec
 from supervisor.api.errors import SpecRejected
 from supervisor.api.principals import Principal
 from supervisor.auth import Scope, allows
 from supervisor.layout import Problem
 from supervisor.roots import confine
 from supervisor.settings import Settings
-from supervisor.spec import RunSpec
 
 
 def privileged_fields(spec: RunSpec, settings: Settings) -> list[str]:

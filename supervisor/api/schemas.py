@@ -1,4 +1,4 @@
-"""Request and response bodies of the API (the RunSpec itself lives in supervisor.spec)."""
+"""Request and response bodies of the API (the RunSpec itself lives in contracts.spec)."""
 
 from __future__ import annotations
 

@@ -19,10 +19,10 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.api.schemas import RunOut
 from supervisor.db import Database
-from supervisor.spec import RunSpec
 
 log = logging.getLogger("nightwatch.api")
 

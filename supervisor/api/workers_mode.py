@@ -34,7 +34,6 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -42,10 +41,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-    from prometheus_client import CollectorRegistry
 
 METRICS_DIR_ENV = "NIGHTWATCH_METRICS_DIR"
-RECONCILER_METRICS = "reconciler.prom"
 #: uvicorn's exit status for a worker that failed before serving (bad app, port taken):
 #: restarting it would fail the same way.
 STARTUP_FAILURE = 3
@@ -180,52 +177,9 @@ def create_worker_app() -> FastAPI:
         raise RuntimeError("prometheus_client was imported before multiprocess mode was set")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ[METRICS_DIR_ENV]
 
+    from contracts.logs import configure_logging
     from supervisor.api.app import create_app
-    from supervisor.logs import configure_logging
     from supervisor.settings import Settings
 
     configure_logging()
     return create_app(Settings.from_env(), metrics_dir=Path(os.environ[METRICS_DIR_ENV]))
-
-
-def exposition(metrics_dir: Path) -> bytes:
-    """/metrics of a worker: every worker's metrics merged, then the reconciler's."""
-    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
-    try:
-        reconciler = (metrics_dir / RECONCILER_METRICS).read_bytes()
-    except FileNotFoundError:
-        reconciler = b""
-    return generate_latest(registry) + reconciler
-
-
-class MetricsFileWriter:
-    """Writes a registry's exposition to `reconciler.prom` every `interval_s` (atomically)."""
-
-    def __init__(self, registry: CollectorRegistry, metrics_dir: Path, interval_s: float) -> None:
-        self.registry = registry
-        self.path = metrics_dir / RECONCILER_METRICS
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="metrics-file", daemon=True)
-
-    def write(self) -> None:
-        from prometheus_client import generate_latest
-
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_bytes(generate_latest(self.registry))
-        tmp.replace(self.path)
-
-    def start(self) -> None:
-        self.write()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.write()

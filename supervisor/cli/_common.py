@@ -15,7 +15,7 @@ import typer
 if TYPE_CHECKING:
     import httpx
 
-    from supervisor.spec import RunSpec
+    from contracts.spec import RunSpec
 
 DEFAULT_URL = "http://127.0.0.1:8787"
 
@@ -30,7 +30,7 @@ def load_spec(path: Path) -> RunSpec:
     import yaml
     from pydantic import ValidationError
 
-    from supervisor.spec import RunSpec
+    from contracts.spec import RunSpec
 
     try:
         return RunSpec.from_file(path)

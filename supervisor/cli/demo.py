@@ -132,16 +132,16 @@ def demo(
     timeout_min: Annotated[float, typer.Option(help="Give up after this many minutes")] = 10.0,
 ) -> None:
     """Run a tiny CPU training with a poisoned data window and watch the watchdog cure it."""
+    from contracts.logs import JsonFormatter
+    from contracts.spec import RunSpec
     from supervisor import store
     from supervisor.api.app import create_app
     from supervisor.api.routes.report import report_data
     from supervisor.db import Database
-    from supervisor.logs import JsonFormatter
     from supervisor.models import RunState
     from supervisor.report import build_report, render_text
     from supervisor.settings import Settings
     from supervisor.slurm import LocalCluster
-    from supervisor.spec import RunSpec
     from supervisor.watchdog.reconciler import build_reconciler
 
     warnings.filterwarnings("ignore")  # Megatron's optional-dependency notices are noise here

@@ -48,7 +48,7 @@ def serve(
     """Apply migrations and run the API server (and the reconciler)."""
     import uvicorn
 
-    from supervisor.logs import configure_logging
+    from contracts.logs import configure_logging
 
     configure_logging()
     db = _upgraded_database()
@@ -95,13 +95,14 @@ def _serve_workers(
     from prometheus_client import CollectorRegistry
 
     from supervisor.api import workers_mode
+    from supervisor.api.metrics_files import MetricsFileWriter
 
     metrics_dir = workers_mode.fresh_metrics_dir(settings.home, port)
     os.environ[workers_mode.METRICS_DIR_ENV] = str(metrics_dir)
     registry = CollectorRegistry()
     # The workers set the run counts per scrape: the reconciler must not export them twice.
     loop = _start_reconciler(settings, db, registry, None, reconciler)
-    writer = workers_mode.MetricsFileWriter(registry, metrics_dir, settings.tick_seconds)
+    writer = MetricsFileWriter(registry, metrics_dir, settings.tick_seconds)
     writer.start()
     try:
         workers_mode.serve(host, port, workers)

@@ -28,7 +28,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from megatron_runs import checkpointing
+from contracts import checkpoints
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.auth import Scope
 from supervisor.db import Database
@@ -43,7 +44,6 @@ from supervisor.models import (
     RunState,
 )
 from supervisor.slurm import Cluster, SourceUnavailable, Unsupported
-from supervisor.spec import RunSpec
 from supervisor.watchdog.lease import LeaseGuard
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.snapshot import Remedy, RemedyKind
@@ -400,7 +400,7 @@ class Actuator:
         it, that job saves and prunes on, and with a short interval it would delete the very
         checkpoint the next attempt needs (the next attempt would then fall back further)."""
         try:
-            checkpointing.pin(self._checkpoint_root(run), step)
+            checkpoints.pin(self._checkpoint_root(run), step)
         except OSError as exc:  # the resume still falls back to an older checkpoint
             log.warning(f"pin of step {step} failed: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
 
@@ -409,7 +409,7 @@ class Actuator:
         with self.db.session() as s:
             run = store.get_run(s, run_id)
         try:
-            checkpointing.unpin_below(self._checkpoint_root(run))
+            checkpoints.unpin_below(self._checkpoint_root(run))
         except OSError as exc:
             log.warning(f"clearing checkpoint pins failed: {exc}", extra=_ctx(run_id, attempt))
 

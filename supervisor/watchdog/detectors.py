@@ -22,8 +22,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_runs import exitcodes
-from supervisor.spec import RecoverySpec
+from contracts import exitcodes
+from contracts.spec import RecoverySpec
 from supervisor.watchdog.snapshot import (
     DARK_AFTER_S,
     METRIC_WINDOW_STEPS,
@@ -767,15 +767,11 @@ _CODE_PATTERNS = re.compile(
     r"KeyError|ValidationError|FileNotFoundError|AssertionError",
 )
 
-#: Exit codes from `megatron_runs.exitcodes` (docs/contracts.md).
-EXIT_REQUEUE = 75
-EXIT_INJECTED_CRASH = 76
-EXIT_NO_GPU = exitcodes.NO_GPU
 
 
 def classify_failure(exit_code: int | None, reason: str | None) -> Cause:
     """Blame a FAILED job from its exit code and log excerpt; unknown stays unknown."""
-    if exit_code == EXIT_REQUEUE:
+    if exit_code == exitcodes.REQUEUE:
         return Cause.INFRA
     text = reason or ""
     if _NODE_PATTERNS.search(text):
@@ -822,16 +818,16 @@ def detect_job_state(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             )
         ]
     summary = f"job {job.job_id} {job.state.value}" + (f": {job.reason}" if job.reason else "")
-    if job.state is JobState.FAILED and job.exit_code == EXIT_REQUEUE:
+    if job.state is JobState.FAILED and job.exit_code == exitcodes.REQUEUE:
         # The trainer checkpointed on SLURM's TERM or USR2 and asked to be requeued: a
         # preemption or a walltime warning, not a failure (SLURM can only say FAILED 75).
         kind, cause = FindingKind.JOB_PREEMPTED, Cause.INFRA
         summary = f"job {job.job_id} checkpointed on a stop signal (exit 75): requeue"
-    elif job.state is JobState.FAILED and job.exit_code == EXIT_NO_GPU:
+    elif job.state is JobState.FAILED and job.exit_code == exitcodes.NO_GPU:
         # The job was given GPUs and a rank saw fewer: the node or the cluster's GPU set-up is
         # wrong, and the same request would fail the same way.
         kind, cause = FindingKind.JOB_NO_GPU, Cause.CODE
-        summary = f"job {job.job_id}: a rank found no GPU (exit {EXIT_NO_GPU})" + (
+        summary = f"job {job.job_id}: a rank found no GPU (exit {exitcodes.NO_GPU})" + (
             f": {job.reason}" if job.reason else ""
         )
     elif job.state is JobState.FAILED:

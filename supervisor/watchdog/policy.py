@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from supervisor.spec import RecoverySpec
+from contracts.spec import RecoverySpec
 from supervisor.watchdog.snapshot import (
     NUMERIC_FAULTS,
     Cause,

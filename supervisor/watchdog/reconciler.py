@@ -31,6 +31,8 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import func, select
 from sqlalchemy.orm import defer
 
+from contracts import exitcodes
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
 from supervisor.joblog import LogFinding, LogKind, classify, suspect_hosts
@@ -53,7 +55,6 @@ from supervisor.prometheus import MetricSource, PrometheusSource, ScrapeSource, 
 from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobStatus, SourceUnavailable, make_cluster, tail
 from supervisor.slurm import JobState as SlurmState
-from supervisor.spec import RunSpec
 from supervisor.watchdog import accounting, strays
 from supervisor.watchdog.actions import (
     ROLLS_BACK,
@@ -65,8 +66,6 @@ from supervisor.watchdog.actions import (
     checkpoint_dir,
 )
 from supervisor.watchdog.detectors import (
-    EXIT_INJECTED_CRASH,
-    EXIT_REQUEUE,
     detect_all,
     median_step_time,
 )
@@ -251,7 +250,7 @@ def log_cause(
     kinds = {f.kind for f in findings}
     first = findings[-1].line if findings else None
     crashed = node_names(crashed_hosts(findings), nodes)
-    if exit_code == EXIT_REQUEUE:
+    if exit_code == exitcodes.REQUEUE:
         return Cause.INFRA, first, ()
     collective = {LogKind.COLLECTIVE_ERROR, LogKind.NODE_FAILURE}
     peer_lost = any(f.kind in collective and _PEER_CLOSED.search(f.line) for f in findings)
@@ -260,7 +259,7 @@ def log_cause(
         return Cause.NODE, first, node_names(suspect_hosts(blaming), nodes)
     if LogKind.OUT_OF_MEMORY in kinds:
         return Cause.CODE, first, ()
-    if peer_lost or exit_code == EXIT_INJECTED_CRASH:
+    if peer_lost or exit_code == exitcodes.INJECTED_CRASH:
         return Cause.UNKNOWN, first, crashed
     if LogKind.PYTHON_EXCEPTION in kinds and not made_progress:
         return Cause.CODE, first, ()
@@ -638,7 +637,7 @@ class Reconciler:
 
     def _checkpoints(self, run: Run, spec: RunSpec) -> list[CheckpointRef]:
         """Complete checkpoints on disk (oldest first); new ones are recorded in the DB."""
-        from megatron_runs.checkpointing import list_checkpoints
+        from contracts.checkpoints import list_checkpoints
 
         folder = self._ckpt_dirs.get(run.id)
         if folder is None:
@@ -832,7 +831,7 @@ class Reconciler:
         if job.health is not SourceHealth.UP or job.state is None:
             return
         new = _ATTEMPT_STATE.get(job.state)
-        if new is AttemptState.FAILED and job.exit_code == EXIT_REQUEUE:
+        if new is AttemptState.FAILED and job.exit_code == exitcodes.REQUEUE:
             new = AttemptState.PREEMPTED  # checkpointed on USR2/TERM; SLURM says FAILED 75
         if new is None or attempt.state is new or attempt.ended_at is not None:
             return

@@ -52,7 +52,7 @@ def test_revoked_token_is_rejected(client: TestClient, database: Database) -> No
 def test_tokens_are_stored_hashed_and_never_logged(
     client: TestClient, tokens: Tokens, database: Database
 ) -> None:
-    from supervisor.logs import JsonFormatter
+    from contracts.logs import JsonFormatter
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from contracts.spec import RunSpec
 from supervisor.layout import GB, layout_errors, layout_report, parameter_count
-from supervisor.spec import RunSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -70,7 +70,7 @@ def test_distributed_optimizer_shards_optimizer_states_over_data() -> None:
 @pytest.mark.parametrize("name", ["tiny-cpu", "gpt-1.3b-4gpu", "llama-8b-32gpu"])
 def test_examples_validate(name: str) -> None:
     spec = RunSpec.from_file(EXAMPLES / f"{name}.yaml")
-    assert spec.layout_problems() == []
+    assert layout_errors(spec) == []
 
 
 def errors_of(spec: RunSpec) -> dict[str, str]:

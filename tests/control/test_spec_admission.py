@@ -14,12 +14,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.api.app import create_app
 from supervisor.api.examples import TINY_SPEC
 from supervisor.db import Database
 from supervisor.settings import Settings
-from supervisor.spec import RunSpec
 
 Tokens = Any
 

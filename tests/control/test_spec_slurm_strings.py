@@ -13,11 +13,11 @@ import pytest
 import submitit
 from fastapi.testclient import TestClient
 
+from contracts.slurm_names import MAX_EXCLUDED_NODES, expand_nodes
+from contracts.spec import MAX_FAULTS, RunSpec
 from supervisor.api.examples import TINY_SPEC
 from supervisor.launcher import SubmitPlan, job_request
 from supervisor.slurm import InvalidRequest, JobRequest, SlurmCluster, sbatch_parameters
-from supervisor.slurm_names import MAX_EXCLUDED_NODES, expand_nodes
-from supervisor.spec import MAX_FAULTS, RunSpec
 
 Tokens = Any
 

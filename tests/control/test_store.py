@@ -13,11 +13,11 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import func, select
 
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.auth import Scope
 from supervisor.db import Database
 from supervisor.models import Base, EventKind, RunState, Token
-from supervisor.spec import RunSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

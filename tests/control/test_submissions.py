@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.api.submissions import SubmissionWriter
 from supervisor.db import Database
 from supervisor.models import Event, Run
-from supervisor.spec import RunSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

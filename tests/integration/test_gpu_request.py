@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from sqlalchemy import select
 
-from megatron_runs import exitcodes
+from contracts import exitcodes
 from supervisor.models import Incident
 from supervisor.watchdog.actions import attempt_log_dir
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from megatron_runs.checkpointing import list_checkpoints
+from contracts.checkpoints import list_checkpoints
 from supervisor.models import Action
 from supervisor.watchdog.snapshot import RemedyKind
 

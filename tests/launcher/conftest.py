@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from contracts.spec import RunSpec
 from supervisor.launcher import SubmitPlan
 from supervisor.slurm import SlurmCluster, detect_slurm
-from supervisor.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[2]
 DEVCLUSTER = REPO / "scripts" / "devcluster"

@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import pytest
 
+from contracts.spec import RunSpec
 from supervisor import launcher
+from supervisor.layout import layout_errors
 from supervisor.slurm import JobState, wait_for
-from supervisor.spec import RunSpec
 
 from .cluster_helpers import job_logs, latest
 from .conftest import REPO
@@ -37,7 +38,7 @@ def test_megatron_tp2_pp2_on_two_nodes_trains_and_checkpoints(slurm, tmp_path, t
             "checkpoint": spec.checkpoint.model_copy(update={"interval_steps": 2}),
         }
     )
-    assert spec.layout_problems() == []
+    assert layout_errors(spec) == []
     home = tmp_path / "home"
     # Prepared once, before the job, so four ranks do not race to build the demo corpus; in a
     # child process because cpu_compat patches torch process-wide.
@@ -60,7 +61,7 @@ def test_megatron_tp2_pp2_on_two_nodes_trains_and_checkpoints(slurm, tmp_path, t
     assert status.state is JobState.COMPLETED, logs[-4000:]
     assert len(status.nodes) == 2
     assert latest(plan.checkpoint_dir) == 4
-    from megatron_runs.checkpointing import list_checkpoints
+    from contracts.checkpoints import list_checkpoints
 
     steps = [c.step for c in list_checkpoints(plan.checkpoint_dir)]
     assert 4 in steps and 2 in steps, steps

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from contracts.spec import RunSpec
 from supervisor import launcher
 from supervisor.launcher import Next, SubmitPlan
 from supervisor.models import AttemptState
 from supervisor.slurm import JobState, JobStatus
-from supervisor.spec import RunSpec
 
 
 @pytest.fixture

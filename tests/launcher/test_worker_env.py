@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.env import TaskInfo, dist_env, master_addr, master_port, node_name
+from contracts.task import node_name
+from worker.env import TaskInfo, dist_env, master_addr, master_port
 from worker.registration import Registrar
 
 from .cluster_helpers import wait_until

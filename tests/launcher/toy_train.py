@@ -14,13 +14,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from contracts.task import TrainContext
 
 STEP_SECONDS = float(os.environ.get("TOY_STEP_SECONDS", "0.3"))
 #: "RANK:STEP": that rank dies at that step (os._exit, like a SIGKILL: no cleanup).
@@ -28,19 +29,6 @@ CRASH_AT = os.environ.get("TOY_CRASH_AT")
 #: "1": every rank keeps a thread the interpreter's teardown would wait for forever, as a
 #: process group with a dead peer or a writer thread can make it do.
 LINGER = os.environ.get("TOY_LINGER") == "1"
-
-
-@dataclass
-class TrainContext:
-    run_id: str
-    attempt: int
-    node: str
-    checkpoint_dir: Path
-    resume_step: int | None = None
-    skip_ranges: list[tuple[int, int]] = field(default_factory=list)
-    metrics_port: int | None = None
-    on_metrics_ready: Callable[[str, int], None] | None = None
-    stop_at_step: int | None = None
 
 
 @dataclass

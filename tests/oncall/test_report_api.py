@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
 import supervisor.cli.report  # noqa: F401  (registers `nightwatch report`)
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.api.app import create_app
 from supervisor.api.routes import report as report_route
@@ -27,7 +28,6 @@ from supervisor.db import Database
 from supervisor.models import AttemptState, IncidentState, RunState
 from supervisor.report import LossPoint
 from supervisor.settings import Settings
-from supervisor.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[2]
 

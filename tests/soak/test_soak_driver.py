@@ -10,8 +10,8 @@ from benchmarks.soak.faults import FollowUp, JobView, NoTarget
 from benchmarks.soak.progress import LogFollower
 from benchmarks.soak.schedule import FaultKind, ScheduledFault, spec_fault
 from benchmarks.soak.score import Injection
+from contracts.spec import RunSpec
 from megatron_runs.faults import Faults
-from supervisor.spec import RunSpec
 
 
 class Recorder:

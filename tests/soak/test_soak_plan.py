@@ -14,8 +14,9 @@ from benchmarks.soak.faults import elapsed_minutes
 from benchmarks.soak.reference import ReferencePlan, Segment
 from benchmarks.soak.schedule import SHORT_KINDS, FaultKind, SoakShape, draw
 from benchmarks.soak.score import FaultScore, SystemScore
+from contracts.spec import RunSpec
 from megatron_runs.faults import truncate_largest
-from supervisor.spec import RunSpec
+from supervisor.layout import layout_errors
 
 DATA = {"prefix": "/data/demo/text_document", "tokenizer": "/data/demo/tokenizer.json"}
 
@@ -35,7 +36,7 @@ def test_soak_spec_is_a_valid_run_with_the_schedules_faults() -> None:
     nodes = tuple(f"n{i}" for i in range(1, 8))
     schedule = draw(4, SoakShape(1200, 20, 8, 4, nodes, 2), mode.kinds)
     spec = RunSpec.model_validate(soak_spec(mode, schedule, DATA))
-    assert spec.layout_problems() == []
+    assert layout_errors(spec) == []
     assert spec.parallelism.world_size == spec.resources.world_size == 4
     assert len(spec.faults) == 4  # poison + three sick nodes
     assert spec.recovery.max_excluded_nodes == 4

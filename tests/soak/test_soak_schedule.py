@@ -17,7 +17,7 @@ from benchmarks.soak.schedule import (
     first_fault_step,
     parse_kinds,
 )
-from supervisor.spec import RunSpec
+from contracts.spec import RunSpec
 
 SHAPE = SoakShape(
     train_steps=600,

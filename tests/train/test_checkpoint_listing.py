@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_runs import checkpointing as ck
+from contracts import checkpoints as ck
 
 LAYOUT = {"tensor": 2, "pipeline": 2, "data": 1}
 
@@ -22,7 +22,7 @@ def _fake_ckpt(root: Path, step: int, publish: bool = True) -> Path:
 
 
 def test_importable_without_torch() -> None:
-    code = "import sys, megatron_runs.checkpointing; assert 'torch' not in sys.modules"
+    code = "import sys, contracts.checkpoints; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from train_helpers import spec_dict
 
-from megatron_runs import exitcodes
+from contracts import exitcodes
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from train_helpers import spec_dict
 
+from contracts.spec import RunSpec
 from megatron_runs.faults import Faults, pin_name, pinned_node
-from supervisor.spec import RunSpec
 
 FAULTS = [
     {"kind": "poison_data", "start_sample": 40, "end_sample": 48, "effect": "nan"},

@@ -24,7 +24,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron_runs.model import GemmBiasColumnParallelLinear, build_gpt, transformer_config
-from supervisor.spec import RunSpec
+from contracts.spec import RunSpec
 
 spec = RunSpec.model_validate(json.loads(sys.argv[1]))
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])

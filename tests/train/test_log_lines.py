@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_runs.train import TrainContext
+from contracts.task import TrainContext
 
 
 class _Writes(io.StringIO):

@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from train_helpers import spec_dict
 
-from megatron_runs import checkpointing, exitcodes
+from contracts import checkpoints, exitcodes
 from megatron_runs.launch_local import LocalRun
 
 pytestmark = pytest.mark.timeout(600)
@@ -89,7 +89,7 @@ def scenario(run_train, tmp_path_factory) -> dict:
     faulty = run_train(faulty_spec, root / "faulty")
     out["faulty_codes"] = faulty.wait(240)
     out["faulty"] = faulty
-    out["faulty_listing"] = checkpointing.list_checkpoints(root / "faulty", include_incomplete=True)
+    out["faulty_listing"] = checkpoints.list_checkpoints(root / "faulty", include_incomplete=True)
 
     rollback = run_train(faulty_spec, root / "faulty", [*SKIP, "--attempt", "1"])
     out["rollback_codes"] = rollback.wait(240)
@@ -105,7 +105,7 @@ def scenario(run_train, tmp_path_factory) -> dict:
 
     out["dp_codes"] = dp.wait(240, on_poll=signal_after_step_2)
     out["dp"] = dp
-    out["dp_listing"] = checkpointing.list_checkpoints(root / "dp")
+    out["dp_listing"] = checkpoints.list_checkpoints(root / "dp")
 
     cross = run_train(spec_dict("cross_layout", faults=[POISON]), root / "dp", SKIP)
     out["cross_codes"] = cross.wait(240)

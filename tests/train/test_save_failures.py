@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from train_helpers import spec_dict
 
-from supervisor.spec import RunSpec
+from contracts.spec import RunSpec
 
 SPEC = RunSpec.model_validate(spec_dict("save-failures", tp=1, pp=1, dp=2))
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.spec import RecoverySpec
 from supervisor.db import Database
-from supervisor.spec import RecoverySpec
 
 
 @pytest.fixture

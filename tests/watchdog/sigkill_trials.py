@@ -23,12 +23,13 @@ from pathlib import Path
 from sqlalchemy import select
 from watchdog_fakes import TINY_SPEC
 
+from contracts import exitcodes
+from contracts.spec import RunSpec
 from supervisor import launcher, store
 from supervisor.db import Database
-from supervisor.launcher import EXIT_REQUEUE, job_name
+from supervisor.launcher import job_name
 from supervisor.models import Action, ActionState, Attempt, Event, EventKind, RunState
 from supervisor.slurm import JobRequest, JobState, SlurmCluster, Submission
-from supervisor.spec import RunSpec
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -51,8 +52,8 @@ TARGET = SPEC["training"]["train_steps"]
 EXIT_CODES = {
     JobState.COMPLETED: 0,
     JobState.FAILED: 1,
-    JobState.PREEMPTED: EXIT_REQUEUE,
-    JobState.TIMEOUT: EXIT_REQUEUE,
+    JobState.PREEMPTED: exitcodes.REQUEUE,
+    JobState.TIMEOUT: exitcodes.REQUEUE,
 }
 
 
@@ -74,7 +75,7 @@ def parse_job_name(name: str) -> tuple[str, int]:
 
 def write_target_checkpoint(home: Path, run_id: str, target: int) -> None:
     """The last attempt's checkpoint at the target step, where the reconciler looks for it."""
-    from megatron_runs.checkpointing import step_dir, write_meta
+    from contracts.checkpoints import step_dir, write_meta
 
     ckpt = step_dir(home / "runs" / run_id / "checkpoints", target)
     ckpt.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,12 @@ from sqlalchemy import select, update
 from watchdog_curves import Faults, simulate
 from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, Hook
 
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
 from supervisor.launcher import job_name
 from supervisor.models import Action, ActionState, Lease, Run, RunState
 from supervisor.slurm import JobRequest, JobState, SourceUnavailable
-from supervisor.spec import RunSpec
 from supervisor.watchdog.actions import ActContext, Actuator
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig

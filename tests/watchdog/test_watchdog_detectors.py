@@ -8,7 +8,7 @@ import math
 import pytest
 from watchdog_curves import GLOBAL_BATCH, Faults, simulate, snapshot
 
-from supervisor.spec import RecoverySpec
+from contracts.spec import RecoverySpec
 from supervisor.watchdog.detectors import (
     by_step,
     classify_failure,

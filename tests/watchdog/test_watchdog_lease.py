@@ -13,12 +13,12 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 from watchdog_fakes import TINY_SPEC, FakeCluster, FakeSource
 
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
 from supervisor.launcher import job_name
 from supervisor.models import Action, Attempt, Lease
 from supervisor.slurm import JobRequest
-from supervisor.spec import RunSpec
 from supervisor.watchdog.lease import Deposed
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from watchdog_curves import GLOBAL_BATCH, snapshot
 
-from supervisor.spec import RecoverySpec
+from contracts.spec import RecoverySpec
 from supervisor.watchdog.policy import decide, rollback_target
 from supervisor.watchdog.snapshot import (
     Cause,

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from prom_harness import Exporter, PrometheusServer
 
+from contracts.spec import RecoverySpec
 from supervisor.prometheus import (
     DARK_AFTER_S,
     QUERIED_FIELDS,
@@ -23,7 +24,6 @@ from supervisor.prometheus import (
     assemble,
     parse_series,
 )
-from supervisor.spec import RecoverySpec
 from supervisor.watchdog.detectors import detect_all, detect_nonfinite
 from supervisor.watchdog.policy import decide
 from supervisor.watchdog.snapshot import (
@@ -401,11 +401,11 @@ def test_reconciler_with_prometheus_stopped_takes_no_remedy(
     from prometheus_client import CollectorRegistry, generate_latest
     from watchdog_fakes import TINY_SPEC, FakeCluster
 
+    from contracts.spec import RunSpec
     from supervisor import store
     from supervisor.db import Database
     from supervisor.models import Action, RunState
     from supervisor.slurm import JobState as SlurmState
-    from supervisor.spec import RunSpec
     from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 
     db = Database(f"sqlite:///{tmp_path / 'nw.db'}")

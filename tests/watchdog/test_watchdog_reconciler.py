@@ -12,7 +12,8 @@ from sqlalchemy import select
 from watchdog_curves import Faults, simulate
 from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
 
-from megatron_runs.checkpointing import pinned
+from contracts.checkpoints import pinned
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
 from supervisor.models import (
@@ -30,7 +31,6 @@ from supervisor.models import (
     RunState,
 )
 from supervisor.slurm import JobState, JobStatus, SourceUnavailable
-from supervisor.spec import RunSpec
 from supervisor.watchdog import accounting
 from supervisor.watchdog.actions import checkpoint_dir
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig, job_view, log_cause

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
-from megatron_runs.checkpointing import step_dir, write_meta
+from contracts.checkpoints import step_dir, write_meta
 from supervisor.slurm import (
     JobRequest,
     JobState,

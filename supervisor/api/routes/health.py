@@ -12,8 +12,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from supervisor import store
 from supervisor.api.deps import SessionDep
+from supervisor.api.metrics_files import exposition
 from supervisor.api.schemas import ErrorBody, Health
-from supervisor.api.workers_mode import exposition
 
 router = APIRouter(tags=["health"])
 

@@ -17,6 +17,7 @@ from fastapi import (
 )
 from pydantic import BaseModel
 
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.api.admission import admit
 from supervisor.api.deps import (
@@ -44,7 +45,6 @@ from supervisor.api.submissions import SubmissionWriter
 from supervisor.auth import RunWrite
 from supervisor.layout import layout_report
 from supervisor.models import RunState
-from supervisor.spec import RunSpec
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorBody, "description": "Body is not decodable JSON"},

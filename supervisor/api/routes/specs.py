@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query, Request
 
+from contracts.spec import RunSpec
 from supervisor.api.deps import ReadToken
 from supervisor.api.examples import SPEC_EXAMPLES
 from supervisor.api.routes.runs import ERRORS
@@ -13,7 +14,6 @@ from supervisor.api.schemas import LayoutOut
 from supervisor.layout import layout_report
 from supervisor.preview import sbatch_preview
 from supervisor.roots import confine
-from supervisor.spec import RunSpec
 
 router = APIRouter(prefix="/v1/specs", tags=["specs"], responses=ERRORS)
 

@@ -3,8 +3,8 @@
 It is the contract between the REST API, the launcher, the worker and the training program,
 so it is plain pydantic with no I/O. Unknown keys are rejected everywhere (a typo in a CI
 spec must fail loudly, not silently fall back to a default). Layout checks that need several
-sections at once (world size, divisibility, memory) live in `supervisor.layout` and are run by
-`RunSpec.layout_problems()`.
+sections at once (world size, divisibility, memory) live in `supervisor.layout`, which imports
+this module and never the other way round.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from supervisor.slurm_names import (
+from contracts.slurm_names import (
     MAX_EXCLUDED_NODES,
     MAX_HOSTLIST_CHARS,
     NODE_NAME_PATTERN,
@@ -30,7 +30,7 @@ from supervisor.slurm_names import (
 _MAX_INT = 2**40
 PositiveInt = Annotated[int, Field(gt=0, le=_MAX_INT)]
 NonNegativeInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
-#: Partition, account, QOS: they become `#SBATCH` lines (`supervisor.slurm_names`).
+#: Partition, account, QOS: they become `#SBATCH` lines (`contracts.slurm_names`).
 SlurmName = Annotated[str, Field(pattern=SLURM_NAME_PATTERN)]
 NodeName = Annotated[str, Field(pattern=NODE_NAME_PATTERN)]
 HostlistExpression = Annotated[
@@ -325,11 +325,6 @@ class RunSpec(_Strict):
     faults: list[Fault] = Field(
         default_factory=list, max_length=MAX_FAULTS, description="Test-only fault injection."
     )
-
-    def layout_problems(self) -> list[str]:
-        from supervisor.layout import layout_errors
-
-        return layout_errors(self)
 
     def to_json(self) -> str:
         return self.model_dump_json()

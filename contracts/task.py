@@ -1,0 +1,39 @@
+"""The training task's context: what the worker hands the training entry point (docs/contracts.md).
+
+An entry module (default `megatron_runs.train`) exposes `train(spec, ctx) -> result` where `ctx`
+is a `TrainContext` and `result.exit_code` is one of `contracts.exitcodes`. Everything about one
+attempt that is not in the spec travels here, so the worker and every trainer share one copy.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class TrainContext:
+    """One attempt of one run on one rank's node."""
+
+    run_id: str
+    attempt: int
+    node: str
+    checkpoint_dir: Path
+    resume_step: int | None = None
+    skip_ranges: list[tuple[int, int]] = field(default_factory=list)
+    metrics_port: int | None = None
+    on_metrics_ready: Callable[[str, int], None] | None = None
+    stop_at_step: int | None = None
+
+
+def node_name() -> str:
+    """The node's name for metrics, faults, exclusions (docs/contracts.md "Node identity")."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def nightwatch_home() -> Path:
+    """Where runs, data and caches live unless a spec says otherwise (NIGHTWATCH_HOME)."""
+    return Path(os.environ.get("NIGHTWATCH_HOME", Path.home() / ".nightwatch"))
