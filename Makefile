@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEBIAN_PACKAGES := slurm-wlm slurmdbd munge mariadb-server prometheus docker-compose
+DEBIAN_PACKAGES := slurm-wlm slurmdbd munge mariadb-server prometheus prometheus-alertmanager docker-compose
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test venv system-packages services lint soak clean

@@ -376,6 +376,12 @@ def runs_in_states(session: Session, states: Iterable[RunState]) -> Sequence[Run
     return session.scalars(select(Run).where(Run.state.in_(list(states))).order_by(Run.id)).all()
 
 
+def run_states(session: Session, states: Iterable[RunState]) -> dict[str, RunState]:
+    """run id → state, for the runs in one of `states`."""
+    rows = session.execute(select(Run.id, Run.state).where(Run.state.in_(list(states))))
+    return {run_id: state for run_id, state in rows}
+
+
 def count_runs_by_state(session: Session) -> dict[RunState, int]:
     rows = session.execute(select(Run.state, func.count()).group_by(Run.state)).all()
     counts = dict.fromkeys(RunState, 0)

@@ -504,6 +504,10 @@ class Reconciler:
                 select(func.count()).select_from(Node).where(Node.health == NodeHealth.EXCLUDED)
             )
             m.excluded_nodes.set(excluded or 0)
+            watched = store.run_states(s, [*ACTIVE_RUN_STATES, RunState.NEEDS_ATTENTION])
+            m.set_needs_attention(
+                {run_id: state is RunState.NEEDS_ATTENTION for run_id, state in watched.items()}
+            )
             if self.supervisor_metrics is not None:
                 self.supervisor_metrics.set_run_counts(store.count_runs_by_state(s))
 

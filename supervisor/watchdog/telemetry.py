@@ -18,6 +18,7 @@ _LATENCY_BUCKETS = (0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800)
 
 class WatchdogMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._needs_attention: set[tuple[str]] = set()
         self.incidents = Counter(
             f"{NS}_incidents", "Incidents opened, by finding kind.", ["kind"], registry=registry
         )
@@ -69,6 +70,12 @@ class WatchdogMetrics:
             ["run_id"],
             registry=registry,
         )
+        self.run_needs_attention = Gauge(
+            f"{NS}_run_needs_attention",
+            "1 while the run waits for a human (needs_attention), 0 while it is active.",
+            ["run_id"],
+            registry=registry,
+        )
         # Every kind exported at 0 from the start: `increase()` needs a sample before the
         # first increment, so a series born at 1 hid the first incident of each kind since
         # the supervisor started from the dashboards' annotations and panels.
@@ -77,6 +84,15 @@ class WatchdogMetrics:
         for remedy in RemedyKind:
             if remedy is not RemedyKind.NONE:
                 self.remedies.labels(kind=remedy.value)
+
+    def set_needs_attention(self, watched: dict[str, bool]) -> None:
+        """run id → needs attention, for every active or escalated run: 1 names the run to page
+        about, 0 says it is watched and fine; a run that ended loses its series."""
+        for (run_id,) in self._needs_attention - {(r,) for r in watched}:
+            self.run_needs_attention.remove(run_id)
+        for run_id, escalated in watched.items():
+            self.run_needs_attention.labels(run_id=run_id).set(1 if escalated else 0)
+        self._needs_attention = {(r,) for r in watched}
 
     def forget_run(self, run_id: str) -> None:
         """Drop a finished run's per-run series so /metrics does not grow without bound."""

@@ -95,6 +95,7 @@ class Supervisor:
         self.ettr = Gauge(f"{p}_run_ettr_ratio", "ettr", ["run_id"], registry=r)
         self.budget = Gauge(f"{p}_run_recovery_budget_left", "budget", ["run_id"], registry=r)
         self.ckpt_age = Gauge(f"{p}_run_checkpoint_age_seconds", "age", ["run_id"], registry=r)
+        self.attention = Gauge(f"{p}_run_needs_attention", "escalated", ["run_id"], registry=r)
         self.server, _ = start_http_server(0, addr="127.0.0.1", registry=r)
 
     @property
@@ -112,6 +113,7 @@ class Supervisor:
         self.ettr.labels(run_id=RUN_ID).set(0.93)
         self.budget.labels(run_id=RUN_ID).set(4 if step < 20 else 3)
         self.ckpt_age.labels(run_id=RUN_ID).set(5.0 + step % 10)
+        self.attention.labels(run_id=RUN_ID).set(0)
         if step % 6 == 0:  # a fault every few steps: detected, remedied, recovered
             self.incidents.labels(kind="loss_spike").inc()
             self.remedies.labels(kind="rollback").inc()

@@ -64,8 +64,17 @@ def test_services_and_wiring() -> None:
     assert "token create --name prometheus --scope read" in token_cmd
     prom_mounts = {v["target"]: v for v in _volumes(services["prometheus"])}
     assert prom_mounts["/etc/prometheus/secrets"]["source"] == "prometheus-secrets"
+    # Alertmanager: its file rendered by the one-shot, and Prometheus sends to it
+    assert "nightwatch alertmanager-config --out /config/alertmanager.yml" in " ".join(
+        services["alertmanager-config"]["command"])
+    am_mounts = {v["target"]: v["source"] for v in _volumes(services["alertmanager"])}
+    assert am_mounts["/etc/alertmanager"] == "alertmanager-config"
+    assert "alertmanager" in services["prometheus"]["depends_on"]
+    prom = yaml.safe_load((REPO / "dashboards" / "prometheus" / "prometheus.yml").read_text())
+    targets = prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+    assert targets == ["alertmanager:9093"]
     # published ports stay on loopback unless the operator says otherwise
-    for name in ("supervisor", "prometheus", "grafana"):
+    for name in ("supervisor", "prometheus", "grafana", "alertmanager"):
         assert [_host_ip(p) for p in services[name]["ports"]] == ["127.0.0.1"], name
 
 

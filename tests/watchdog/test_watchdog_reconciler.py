@@ -575,3 +575,28 @@ def test_every_incident_and_remedy_kind_is_exported_at_zero_from_the_start() -> 
     for remedy in RemedyKind:
         line = f'nightwatch_supervisor_remedies_total{{kind="{remedy.value}"}} 0.0'
         assert (line in text) is (remedy is not RemedyKind.NONE)
+
+
+def test_a_run_needing_attention_is_exported_by_name_until_it_ends(
+    db: Database, tmp_path: Path
+) -> None:
+    """The page names the run: `run_needs_attention{run_id}` is 0 while the run is active, 1
+    while it waits for a human, and gone once it ended."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, _ = running(db, tmp_path, cluster, source)
+
+    def value() -> float | None:
+        return rec.registry.get_sample_value(
+            "nightwatch_supervisor_run_needs_attention", {"run_id": run_id}
+        )
+
+    rec.tick()
+    assert value() == 0
+    with db.session() as s:
+        store.transition_run(s, run_id, RunState.NEEDS_ATTENTION, reason="test")
+    rec.tick()
+    assert value() == 1
+    with db.session() as s:
+        store.transition_run(s, run_id, RunState.CANCELLED, reason="test")
+    rec.tick()
+    assert value() is None
