@@ -1,10 +1,21 @@
 """Layout validation and the per-GPU memory estimate, as pure functions over a RunSpec.
 
 Everything that needs several spec sections at once lives here, so a layout that cannot run is
-rejected before anything reaches SLURM, with the field and the numbers in the message. The
-memory model is the one in ../shared/DOMAIN.md: 16 B of model state per parameter (bf16
-weights + grads, fp32 master weights + Adam moments) split over tensor × pipeline (optimizer
-states further over data with the distributed optimizer), plus activations ≈ c·L·B·S·h·2 B.
+rejected before anything reaches SLURM, with the field and the numbers in the message.
+
+The memory model is measured, not guessed (docs/benchmarks.md, "Memory model"; the recorded
+peaks are in docs/data/ and `tests/control/test_layout.py` holds the model to them):
+* model states of the busiest pipeline stage, split over tensor parallelism: bf16 weights
+  (2 B/param), fp32 gradient buffers (4 B/param: Megatron's DDP accumulates main grads in
+  fp32), and the optimizer (fp32 master weights + Adam moments, 12 B/param; 8 B in fp32
+  training), split over data parallelism with the distributed optimizer;
+* activations per layer per token after Korthikanti et al. (2022) with flash attention (no
+  s² term): layer-norm inputs, attention and MLP tensors saved for backward, per the model's
+  hidden, KV and FFN widths; tensor parallelism splits all but ~10·h bytes of them (all of them
+  with sequence parallelism); the first pipeline stage holds min(pp, microbatches)
+  microbatches in flight under 1F1B, the last one microbatch plus the fp32 logits;
+* PyTorch's caching allocator reserves up to 10 % beyond what is allocated, and the CUDA
+  context, NCCL and cuBLAS workspaces take about 8–9 GB beyond that (10 GB budgeted).
 """
 
 from __future__ import annotations
@@ -18,10 +29,12 @@ if TYPE_CHECKING:
 
 GB = 1e9
 GIB = 2**30
-ACTIVATION_FACTOR = 3.0
-"""c in c·L·B·S·h·2 B: activation bytes per layer per token per hidden unit (DOMAIN.md)."""
 OVERHEAD_BYTES = 10 * GB
-"""CUDA context, workspaces, fragmentation: the low end of DOMAIN.md's 10–20 GB."""
+"""CUDA context, NCCL buffers, cuBLAS workspaces: measured 8.1–9.3 GB beyond PyTorch's pool."""
+FRAGMENTATION = 0.10
+"""Reserved over allocated bytes in PyTorch's caching allocator: measured 0.3–10 %."""
+GRADIENT_BYTES = 4
+"""Megatron's DDP keeps fp32 main-gradient buffers whatever the training precision."""
 
 Severity = Literal["error", "warning"]
 
@@ -47,14 +60,20 @@ class MemoryEstimate:
     capacity_bytes: float
 
     @property
-    def total_bytes(self) -> float:
+    def allocated_bytes(self) -> float:
+        """What PyTorch allocates at the peak: model states and activations."""
         return (
-            self.weights_bytes
-            + self.gradients_bytes
-            + self.optimizer_bytes
+            self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
             + self.activations_bytes
-            + self.overhead_bytes
-        )
+        )  # fmt: skip
+
+    @property
+    def fragmentation_bytes(self) -> float:
+        return FRAGMENTATION * self.allocated_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.allocated_bytes + self.fragmentation_bytes + self.overhead_bytes
 
     @property
     def fits(self) -> bool:
@@ -96,6 +115,7 @@ class LayoutReport:
                 "gradients": _gb(m.gradients_bytes),
                 "optimizer_states": _gb(m.optimizer_bytes),
                 "activations": _gb(m.activations_bytes),
+                "fragmentation": _gb(m.fragmentation_bytes),
                 "overhead": _gb(m.overhead_bytes),
                 "total": _gb(m.total_bytes),
                 "capacity": _gb(m.capacity_bytes),
@@ -112,48 +132,71 @@ def _gb(n: float) -> float:
 
 def parameter_count(spec: RunSpec) -> int:
     """Parameters of the GPT described by `spec.model` (biases ignored: < 0.1 %)."""
+    return (
+        spec.model.num_layers * _layer_parameters(spec)
+        + _embedding_parameters(spec)
+        + spec.model.hidden_size
+    )
+
+
+def _layer_parameters(spec: RunSpec) -> int:
     m = spec.model
     h = m.hidden_size
     kv_dim = h * m.kv_groups // m.num_attention_heads
     attention = 2 * h * h + 2 * h * kv_dim
     mlp = (3 if m.activation == "swiglu" else 2) * h * m.ffn
-    per_layer = attention + mlp + 2 * h
-    embeddings = m.vocab_size * h * (2 if m.untie_embeddings else 1)
+    return attention + mlp + 2 * h
+
+
+def _embedding_parameters(spec: RunSpec) -> int:
+    m = spec.model
+    embeddings = m.vocab_size * m.hidden_size * (2 if m.untie_embeddings else 1)
     if m.position_embedding == "learned_absolute":
-        embeddings += m.seq_length * h
-    return m.num_layers * per_layer + embeddings + h
+        embeddings += m.seq_length * m.hidden_size
+    return embeddings
+
+
+def activation_bytes_per_token(spec: RunSpec) -> float:
+    """Bytes one transformer layer saves for backward per token, on one GPU (bf16 tensors)."""
+    m, p = spec.model, spec.parallelism
+    h, f = m.hidden_size, m.ffn
+    kv_dim = h * m.kv_groups // m.num_attention_heads
+    layer_norms = 4 * h  # the two norms' inputs
+    attention = 2 * h + 2 * (h + 2 * kv_dim) + 2 * h + h  # QKV in; Q, K, V; out; mask
+    fc1_out = 2 * f if m.activation == "swiglu" else f
+    mlp = 2 * h + 2 * fc1_out + 2 * f + h  # fc1 in; activation in and out; mask
+    total = layer_norms + attention + mlp
+    if p.tensor == 1 or p.sequence_parallel:
+        return total / p.tensor
+    replicated = 10 * h  # norm inputs, QKV and fc1 inputs, masks stay whole without SP
+    return replicated + (total - replicated) / p.tensor
 
 
 def memory_estimate(spec: RunSpec) -> MemoryEstimate:
     """Per-GPU bytes of the busiest pipeline stage under `spec.parallelism`."""
-    p = spec.parallelism
-    m = spec.model
-    n = parameter_count(spec)
+    p, m, t = spec.parallelism, spec.model, spec.training
     weight_bytes = 2 if m.precision == "bf16" else 4
-    optimizer_bytes = 16 - 2 * weight_bytes
-    model_parallel = p.tensor * p.pipeline
-    per_gpu = n / model_parallel
-    optimizer = per_gpu * optimizer_bytes
+    optimizer_per_param = 12 if m.precision == "bf16" else 8
+    # The first stage holds the embedding, the last the output layer: count one with the layers.
+    stage = _layer_parameters(spec) * m.num_layers / p.pipeline + _embedding_parameters(spec)
+    per_gpu = stage / p.tensor
+    optimizer = per_gpu * optimizer_per_param
     if p.distributed_optimizer:
         optimizer /= p.data
-    micro = spec.training.micro_batch_size
-    in_flight = min(p.pipeline, _microbatches(spec)) if p.pipeline > 1 else 1
-    layers_per_stage = m.num_layers / p.pipeline
-    activations = (
-        ACTIVATION_FACTOR
-        * layers_per_stage
-        * max(in_flight, 1)
-        * micro
-        * m.seq_length
-        * m.hidden_size
-        * 2
-        / p.tensor
-    )
+    tokens = t.micro_batch_size * m.seq_length
+    per_microbatch = activation_bytes_per_token(spec) * tokens * m.num_layers / p.pipeline
+    logits = 2 * 4 * tokens * m.vocab_size / p.tensor  # fp32 logits and their gradient
+    if p.pipeline > 1:
+        in_flight = min(p.pipeline, _microbatches(spec))
+        activations = max(in_flight * per_microbatch, per_microbatch + logits)
+    else:
+        activations = per_microbatch + logits
     return MemoryEstimate(
-        parameters=n,
-        model_states_total_bytes=16.0 * n,
+        parameters=parameter_count(spec),
+        model_states_total_bytes=(weight_bytes + GRADIENT_BYTES + optimizer_per_param)
+        * parameter_count(spec),
         weights_bytes=per_gpu * weight_bytes,
-        gradients_bytes=per_gpu * weight_bytes,
+        gradients_bytes=per_gpu * GRADIENT_BYTES,
         optimizer_bytes=optimizer,
         activations_bytes=activations,
         overhead_bytes=OVERHEAD_BYTES,
@@ -318,7 +361,8 @@ def _memory_problems(m: MemoryEstimate) -> list[Problem]:
             "resources.gpu_memory_gib",
             f"estimated {m.total_bytes / GB:.1f} GB per GPU (weights {m.weights_bytes / GB:.1f} + "
             f"gradients {m.gradients_bytes / GB:.1f} + optimizer {m.optimizer_bytes / GB:.1f} + "
-            f"activations {m.activations_bytes / GB:.1f} + overhead {m.overhead_bytes / GB:.1f}) "
+            f"activations {m.activations_bytes / GB:.1f} + fragmentation "
+            f"{m.fragmentation_bytes / GB:.1f} + overhead {m.overhead_bytes / GB:.1f}) "
             f"exceeds {m.capacity_bytes / GB:.1f} GB ({m.capacity_bytes / GIB:g} GiB); "
             "add tensor/pipeline parallelism or lower micro_batch_size",
         )

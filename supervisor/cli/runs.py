@@ -30,7 +30,8 @@ def _print_layout(report: dict[str, Any]) -> None:
         typer.echo(f"steps for budget      {report['steps_for_token_budget']:,}")
     typer.echo("memory per GPU (GB)   " + ", ".join(
         f"{k} {mem[k]}" for k in
-        ("weights", "gradients", "optimizer_states", "activations", "overhead", "total")
+        ("weights", "gradients", "optimizer_states", "activations", "fragmentation", "overhead",
+         "total")
     ) + f" of {mem['capacity']}")  # fmt: skip
     for p in report["problems"]:
         typer.echo(f"{p['severity']}: {p['field']}: {p['message']}")

@@ -1,7 +1,8 @@
-"""Layout validation and the memory estimate (pure), checked against DOMAIN.md's worked example."""
+"""Layout validation and the memory estimate (pure), held to peaks measured on GPUs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +10,18 @@ import pytest
 from pydantic import ValidationError
 
 from contracts.spec import RunSpec
-from supervisor.layout import GB, layout_errors, layout_report, parameter_count
+from supervisor.layout import (
+    GB,
+    activation_bytes_per_token,
+    layout_errors,
+    layout_report,
+    parameter_count,
+)
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+#: `benchmarks/memory_calibration.py` on 4 × H200: each layout's spec and measured peaks.
+CALIBRATION = REPO / "docs" / "data" / "memory_calibration_h200x4.json"
 
 
 def llama8b(**overrides: dict[str, Any]) -> RunSpec:
@@ -30,15 +40,29 @@ def one_gpu_8b() -> RunSpec:
     )
 
 
-def test_8b_has_about_8b_parameters_and_128_gb_of_model_states() -> None:
+def test_8b_has_about_8b_parameters_and_144_gb_of_model_states() -> None:
+    """18 B a parameter: bf16 weights, fp32 gradient buffers, fp32 master weights + Adam."""
     report = layout_report(one_gpu_8b())
     assert 7.9e9 < parameter_count(one_gpu_8b()) < 8.1e9
-    assert report.memory.model_states_total_bytes / GB == pytest.approx(128, rel=0.02)
+    assert report.memory.model_states_total_bytes == 18 * parameter_count(one_gpu_8b())
 
 
-def test_8b_activations_at_micro_8_are_about_19_gb() -> None:
-    report = layout_report(one_gpu_8b())
-    assert report.memory.activations_bytes / GB == pytest.approx(19.3, rel=0.02)
+@pytest.mark.parametrize("row", json.loads(CALIBRATION.read_text()), ids=lambda r: r["layout"])
+def test_estimate_is_within_15_percent_above_the_measured_peak(row: dict[str, Any]) -> None:
+    """The issue's target: within 15 % of the measured peak, never below it by more than 5 %
+    (here: never below at all)."""
+    estimate = layout_report(RunSpec.model_validate(row["spec"])).memory.total_bytes / GB
+    assert 0 <= estimate / row["measured_gb"] - 1 <= 0.15, (estimate, row["measured_gb"])
+
+
+def test_activations_follow_the_measured_bytes_per_token() -> None:
+    """1.3B (h 2048, GELU MLP 4h) without tensor parallelism: 34 B per token per hidden unit
+    per layer, as measured (allocated peaks within 3 % of the model on 4 of the layouts)."""
+    row = next(r for r in json.loads(CALIBRATION.read_text()) if r["layout"] == "dp4-mb8")
+    spec = RunSpec.model_validate(row["spec"])
+    assert activation_bytes_per_token(spec) == 34 * spec.model.hidden_size
+    tp2 = RunSpec.model_validate({**row["spec"], "parallelism": {"tensor": 2, "data": 2}})
+    assert activation_bytes_per_token(tp2) == (10 + 24 / 2) * spec.model.hidden_size
 
 
 def test_8b_cannot_train_on_one_80gb_gpu_and_says_why() -> None:
@@ -47,7 +71,7 @@ def test_8b_cannot_train_on_one_80gb_gpu_and_says_why() -> None:
     assert report.memory.total_bytes / GB > 150
     (problem,) = report.errors
     assert problem.field == "resources.gpu_memory_gib"
-    assert "157.5 GB" in problem.message and "80 GiB" in problem.message
+    assert "276.9 GB" in problem.message and "80 GiB" in problem.message
 
 
 def test_8b_recipe_fits_on_32_gpus_with_131072_tokens_per_step() -> None:
@@ -57,7 +81,7 @@ def test_8b_recipe_fits_on_32_gpus_with_131072_tokens_per_step() -> None:
     assert report.microbatches_per_step == 4
     assert report.tokens_per_step == 131_072
     assert report.steps_for_token_budget == pytest.approx(2.29e6, rel=0.01)
-    assert report.memory.total_bytes / GB < 30
+    assert 30 < report.memory.total_bytes / GB < 40
 
 
 def test_distributed_optimizer_shards_optimizer_states_over_data() -> None:
