@@ -43,6 +43,15 @@ from megatron_runs.schedule import H100_BF16_PEAK, flops_per_token  # noqa: E402
 
 WARMUP = 5
 
+#: GPT shapes by size (benchmarks/ckpt_save.py takes them too); tiny and 36m fit a CPU.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"layers": 4, "hidden": 64, "heads": 4, "seq": 64},
+    "36m": {"layers": 6, "hidden": 512, "heads": 8, "seq": 256},
+    "125m": {"layers": 12, "hidden": 768, "heads": 12, "seq": 1024},
+    "350m": {"layers": 24, "hidden": 1024, "heads": 16, "seq": 1024},
+    "1.3b": {"layers": 24, "hidden": 2048, "heads": 16, "seq": 2048},
+}
+
 
 def gpt(
     name: str,
@@ -156,7 +165,7 @@ def run(
 
 
 def tpcheck(out: Path, env: dict) -> dict:
-    small = dict(layers=12, hidden=768, heads=12, seq=1024, steps=50, mbs=4, gbs=32)
+    small = dict(**SIZES["125m"], steps=50, mbs=4, gbs=32)
     a = run(out / "tp2pp2", gpt("tp2pp2", tp=2, pp=2, dp=1, **small), [], env)
     b = run(out / "tp1dp4", gpt("tp1dp4", tp=1, pp=1, dp=4, **small), [], env)
     diffs = [
@@ -187,10 +196,7 @@ def big(
 ) -> dict:
     spec = gpt(
         name,
-        layers=24,
-        hidden=2048,
-        heads=16,
-        seq=2048,
+        **SIZES["1.3b"],
         tp=tp,
         pp=1,
         dp=dp,

@@ -5,8 +5,10 @@ torch or megatron. The save/load of tensors lives in `megatron_runs.dist_ckpt`.
 
 Layout: `<dir>/iter_0000100/` published by renaming `<dir>/.tmp_iter_0000100/` after its
 `nightwatch.json` (sizes of every file) is written and checked; `<dir>/latest` (step as text)
-is replaced last. A directory is a candidate only when its metadata says complete and every
-listed file still has its recorded size, so a truncated or half-copied checkpoint is skipped.
+is replaced last. Each step is durable before the next one makes it visible: the metadata
+file and the directory are fsynced before the rename, the parent after it and after `latest`.
+A directory is a candidate only when its metadata says complete and every listed file still
+has its recorded size, so a truncated or half-copied checkpoint is skipped.
 `<dir>/pins/iter_0000100` (empty) keeps step 100 from retention: the watchdog pins a rollback's
 checkpoint before it stops the job that would otherwise prune it.
 """
@@ -25,6 +27,7 @@ LATEST_NAME = "latest"
 _PREFIX = "iter_"
 _TMP_PREFIX = ".tmp_iter_"
 PINS_NAME = "pins"
+COMPILE_CACHE_NAME = ".compile_cache"
 
 
 @dataclass(frozen=True)
@@ -73,10 +76,28 @@ def write_meta(
         "complete": True,
         "files": file_sizes(ckpt),
     }
-    tmp = Path(ckpt) / (META_NAME + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-    os.replace(tmp, Path(ckpt) / META_NAME)
+    _write_durably(Path(ckpt) / META_NAME, json.dumps(meta, indent=1, sort_keys=True))
+    fsync_path(ckpt)
     return meta
+
+
+def fsync_path(path: Path | str) -> None:
+    """Flush a file's data, or a directory's entries (a rename inside it), to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Replace `path` by `text` atomically, the new content on disk before the rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def verify(ckpt: Path) -> str | None:
@@ -165,7 +186,10 @@ def read_latest(root: Path | str) -> int | None:
 
 
 def publish(root: Path, step: int) -> Path:
-    """Rename the verified temp dir into place, then replace `latest` (written last)."""
+    """Rename the verified temp dir into place, then replace `latest` (written last).
+
+    The temp dir's files must already be on disk (`write_meta` syncs the metadata and the
+    directory); the renames are synced here."""
     root = Path(root)
     src, dst = tmp_dir(root, step), step_dir(root, step)
     problem = verify(src)
@@ -174,10 +198,16 @@ def publish(root: Path, step: int) -> Path:
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(src, dst)
-    latest_tmp = root / (LATEST_NAME + ".tmp")
-    latest_tmp.write_text(str(step))
-    os.replace(latest_tmp, root / LATEST_NAME)
+    fsync_path(root)
+    _write_durably(root / LATEST_NAME, str(step))
+    fsync_path(root)
     return dst
+
+
+def compile_cache_dir(root: Path | str) -> Path:
+    """The run's compiled-kernel cache (TorchInductor, Triton), shared by its attempts: a
+    restart reuses the kernels instead of compiling them again. Retention never touches it."""
+    return Path(root) / COMPILE_CACHE_NAME
 
 
 def pin(root: Path | str, step: int) -> None:

@@ -7,18 +7,35 @@ format: the default fails, and `dp_reshardable` cannot change TP/PP and resumes 
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 import os
+import pickle
 import queue
 import shutil
-from dataclasses import dataclass
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
 
 from contracts import checkpoints as ck
 from megatron_runs.cpu_compat import collective_device
+
+logger = logging.getLogger(__name__)
 
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -30,6 +47,19 @@ class SaveFailed(Exception):
 #: What a save may fail with while the process group stays sound: storage, not communication.
 #: A collective that failed (a peer died mid-save) is none of these and must end the rank.
 STORAGE_ERRORS: tuple[type[Exception], ...] = (OSError, CheckpointingException, SaveFailed)
+
+
+@dataclass
+class Phases:
+    """Seconds per phase of one save, summed by name (the benchmark and the log read them)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    _last: float = field(default_factory=time.perf_counter)
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
 
 
 @dataclass(frozen=True)
@@ -99,7 +129,15 @@ def _gather_in_buffer_space(optimizer: object) -> None:
 
 
 def _unpack_buckets(compact: torch.Tensor, buffer: object) -> torch.Tensor:
-    """A buffer-sized tensor with each bucket's unpadded part of `compact` at its offset."""
+    """A buffer-sized tensor with each bucket's unpadded part of `compact` at its offset;
+    `compact` itself when no bucket but the last is padded (no copy of the whole state)."""
+    start = 0
+    for bucket in buffer.buckets:
+        if bucket.offset != start:
+            break
+        start += bucket.numel_unpadded
+    else:
+        return compact
     full = compact.new_zeros(buffer.numel)
     start = 0
     for bucket in buffer.buckets:
@@ -109,62 +147,245 @@ def _unpack_buckets(compact: torch.Tensor, buffer: object) -> torch.Tensor:
     return full
 
 
-def _in_process_results_queue() -> None:
-    """Keep megatron-core's write-results queue in this process.
+class _FileQueue:
+    """megatron's write-results queue as one pickle file per save.
 
-    Synchronous saves write from threads of this process, yet megatron-core 0.19.2 creates the
-    results queue through a spawned multiprocessing Manager: a fresh interpreter started on the
-    first save (seconds of fixed cost) that is never stopped and outlives a killed rank as an
-    orphan. Seeding the module's queue with a plain `queue.Queue` avoids both. Only valid while
-    saves are synchronous (we never use async_sharded_save).
+    megatron-core 0.19.2's writer threads put their results (or an exception) in a module-wide
+    queue, which the finalize step reads after the writes. Its default is a queue of a spawned
+    multiprocessing Manager: a fresh interpreter started on the first save (seconds of fixed
+    cost) that is never stopped and outlives a killed rank as an orphan. A file works in this
+    process (synchronous saves write from its threads) and from the forked writer of an async
+    save alike, and a pipe-backed queue would not: the forked writer blocks on a full pipe
+    while this process waits for it to exit.
     """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.unlink(missing_ok=True)
+
+    def put(self, item: object) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_bytes(pickle.dumps(item))
+        os.replace(tmp, self.path)
+
+    def get_nowait(self) -> object:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            raise queue.Empty from None
+        self.path.unlink()
+        return pickle.loads(data)
+
+
+def _results_queue(step: int) -> None:
+    """A fresh results file for this save, named by process and step."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
+    name = f"nightwatch-write-results-{os.getpid()}-{step}.pkl"
+    filesystem_async._results_queue = _FileQueue(Path(tempfile.gettempdir()) / name)
 
 
 def _barrier() -> None:
     torch.distributed.barrier()
 
 
-def save(
-    model: list,
-    optimizer: object,
-    root: Path,
-    step: int,
-    consumed_samples: int,
-    loss: float | None,
-    layout: dict[str, int],
-    keep_last: int,
-    protect: set[int] | None = None,
-    keep_seconds: float = 0.0,
-) -> Path:
-    """Write to `.tmp_iter_*`, verify, rename, update `latest`, apply retention (sparing the
-    steps in `protect` and those saved within `keep_seconds` of this one)."""
-    _in_process_results_queue()
-    rank = torch.distributed.get_rank()
-    tmp = ck.tmp_dir(root, step)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
+@dataclass(frozen=True)
+class Target:
+    """What one save publishes and what retention keeps afterwards (`ck.retain`)."""
+
+    root: Path
+    step: int
+    consumed_samples: int
+    loss: float | None
+    layout: dict[str, int]
+    keep_last: int
+    protect: frozenset[int] = frozenset()
+    keep_seconds: float = 0.0
+
+
+class Writer:
+    """The checkpoint saves of one training process (collective: every rank calls alike).
+
+    A save writes to `.tmp_iter_*`, makes it durable, writes `nightwatch.json`, renames it into
+    place, replaces `latest` and applies retention; nothing looks complete before all of that.
+    `save` does it at once; `start` hands the writing to megatron-core's asynchronous save (a
+    forked writer process per rank, from a host copy of the state) and the returned
+    `PendingSave` publishes once every rank's writer finished.
+
+    Each data-parallel replica writes 1/DP of the replicated tensors (megatron's
+    FullyParallelSaveStrategyWrapper, Megatron-LM's default): with megatron's default strategy
+    DP rank 0 alone writes every replicated tensor, the whole model and, fully_reshardable, the
+    whole optimizer state. The shard distribution and the sharding check are computed on the
+    first save only: the state's structure does not change within a process.
+    """
+
+    def __init__(self) -> None:
+        self._strategy: FullyParallelSaveStrategyWrapper | None = None
+
+    def save(
+        self, model: list, optimizer: object, target: Target, phases: Phases | None = None
+    ) -> Path:
+        """Write, sync and publish; returns the published directory."""
+        phases = phases if phases is not None else Phases()
+        state, strategy, validate = self._prepare(model, optimizer, target, phases)
+        dist_checkpointing.save(
+            state, str(ck.tmp_dir(target.root, target.step)), strategy,
+            validate_access_integrity=validate,
+        )  # fmt: skip
+        phases.mark("write")
+        return _publish(target, phases)
+
+    def start(
+        self, model: list, optimizer: object, target: Target, phases: Phases | None = None
+    ) -> PendingSave:
+        """Copy the state to host memory and fork this rank's writer; returns at once after."""
+        phases = phases if phases is not None else Phases()
+        state, strategy, validate = self._prepare(model, optimizer, target, phases)
+        request = dist_checkpointing.save(
+            state, str(ck.tmp_dir(target.root, target.step)), strategy,
+            validate_access_integrity=validate, async_sharded_save=True, async_strategy="mcore",
+        )  # fmt: skip
+        phases.mark("plan")
+        if request.async_fn is not None:
+            parent = os.getpid()
+            request = request._replace(
+                async_fn=functools.partial(_writer, parent, request.async_fn)
+            )
+        calls = AsyncCallsQueue()
+        calls.schedule_async_request(request)
+        phases.mark("copy_and_fork")
+        return PendingSave(calls, target, phases)
+
+    def _prepare(
+        self, model: list, optimizer: object, target: Target, phases: Phases
+    ) -> tuple[dict, FullyParallelSaveStrategyWrapper, bool]:
+        _results_queue(target.step)
+        _fresh_tmp(target)
+        phases.mark("fresh_dir")
+        state = _state_dict(model, optimizer, is_loading=False)
+        phases.mark("state_dict")
+        first = self._strategy is None
+        if first:
+            self._strategy = FullyParallelSaveStrategyWrapper(
+                get_default_save_sharded_strategy(),
+                ps.get_data_parallel_group(with_context_parallel=True),
+                do_cache_distribution=True,
+            )
+        return state, self._strategy, first
+
+
+class PendingSave:
+    """An asynchronous save on its way: written in the background, published by `poll` or
+    `wait` on every rank at the same step (both are collective)."""
+
+    def __init__(self, calls: AsyncCallsQueue, target: Target, phases: Phases) -> None:
+        self._calls = calls
+        self.target = target
+        self.phases = phases
+
+    @property
+    def step(self) -> int:
+        return self.target.step
+
+    def poll(self) -> Path | None:
+        """Publish if every rank's writer finished (one all-reduce); None while any writes."""
+        if not self._calls.maybe_finalize_async_calls(blocking=False):
+            return None
+        self.phases.mark("write")
+        return _publish(self.target, self.phases)
+
+    def wait(self) -> Path:
+        """Wait for every rank's writer, then publish."""
+        self._calls.maybe_finalize_async_calls(blocking=True)
+        self.phases.mark("write")
+        return _publish(self.target, self.phases)
+
+
+def _writer(parent: int, write: Callable[..., None], *args: object, **kwargs: object) -> None:
+    """The forked writer of an async save: it dies with its rank (PR_SET_PDEATHSIG), so a rank
+    killed mid-save leaves no process behind that could still write into a later attempt's
+    temp dir of the same step."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the rank died before the prctl
+        os._exit(1)
+    write(*args, **kwargs)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _fresh_tmp(target: Target) -> None:
+    """An empty temp dir for the step on rank 0 before any rank writes (a failed earlier
+    attempt at the same step may have left one), once the last retention is over (it removes
+    stale temp dirs)."""
+    if torch.distributed.get_rank() == 0:
+        _Retention.join()
+        tmp = ck.tmp_dir(target.root, target.step)
+        target.root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
-    dist_checkpointing.save(_state_dict(model, optimizer, is_loading=False), str(tmp))
-    _barrier()
-    problem = None
-    if rank == 0:
+
+
+class _Retention:
+    """Retention on a thread of rank 0, so that deleting old checkpoints (seconds for a large
+    one) does not hold up training. Safe to cut short: a half-deleted checkpoint fails
+    verification and the next retention removes the rest."""
+
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, target: Target) -> None:
+        cls.join()
+        cls._thread = threading.Thread(
+            target=cls._retain, args=(target,), name="nightwatch-retention", daemon=True
+        )
+        cls._thread.start()
+
+    @classmethod
+    def join(cls) -> None:
+        if cls._thread is not None:
+            cls._thread.join()
+            cls._thread = None
+
+    @staticmethod
+    def _retain(target: Target) -> None:
         try:
-            _fsync_tree(tmp)
-            ck.write_meta(tmp, step, consumed_samples, loss, layout)
-            ck.publish(root, step)
-            ck.retain(root, keep_last, protect, keep_seconds)
+            ck.retain(target.root, target.keep_last, set(target.protect), target.keep_seconds)
+        except OSError as exc:  # housekeeping: the next save's retention tries again
+            logger.warning("checkpoint retention under %s failed: %r", target.root, exc)
+
+
+#: What megatron-core 0.19.2's writer fsyncs itself: every rank's data files (its writer
+#: threads sync each one) and the torch `.metadata` file. Rank 0 syncs anything else.
+_SYNCED_BY_MEGATRON = (".distcp", ".metadata")
+
+
+def _publish(target: Target, phases: Phases) -> Path:
+    """Rank 0 makes the written temp dir durable and publishes it; every rank learns the
+    outcome at the closing all-reduce."""
+    problem = None
+    if torch.distributed.get_rank() == 0:
+        try:
+            tmp = ck.tmp_dir(target.root, target.step)
+            for p in tmp.iterdir():
+                if p.is_file() and not p.name.endswith(_SYNCED_BY_MEGATRON):
+                    ck.fsync_path(p)
+            phases.mark("fsync")
+            ck.write_meta(tmp, target.step, target.consumed_samples, target.loss, target.layout)
+            phases.mark("meta")
+            ck.publish(target.root, target.step)
+            phases.mark("publish")
+            _Retention.start(target)
         except Exception as exc:  # local file work only: no collective was skipped
             problem = repr(exc)
-    if not _all_ranks_ok(problem is None):
-        raise SaveFailed(f"step {step} not published: {problem or 'see rank 0'}")
-    return ck.step_dir(root, step)
+    ok = _all_ranks_ok(problem is None)
+    phases.mark("outcome")
+    if not ok:
+        raise SaveFailed(f"step {target.step} not published: {problem or 'see rank 0'}")
+    return ck.step_dir(target.root, target.step)
 
 
 def _all_ranks_ok(ok: bool) -> bool:
@@ -174,16 +395,6 @@ def _all_ranks_ok(ok: bool) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32, device=collective_device())
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 def load(model: list, optimizer: object, info: ck.CheckpointInfo) -> Loaded:

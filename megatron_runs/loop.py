@@ -48,6 +48,7 @@ from megatron_runs.faults import Faults  # noqa: E402
 from megatron_runs.metrics import StepReport, TrainMetrics  # noqa: E402
 from megatron_runs.model import build_gpt, init_layout_independent, transformer_config  # noqa: E402
 from megatron_runs.sampling import rank_slice, take_step  # noqa: E402
+from megatron_runs.saver import Checkpointer  # noqa: E402
 from megatron_runs.schedule import flops_per_token, lr_at, peak_flops  # noqa: E402
 from megatron_runs.train import TrainResult  # noqa: E402
 
@@ -367,6 +368,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     check_every = _replica_check_every()
     last_loss = math.nan
     exit_code = exitcodes.OK
+    checkpoints = Checkpointer(spec.checkpoint, root, layout, resumed_from, metrics, faults, log)
     target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
     setup.mark("other")
     log(
@@ -463,18 +465,17 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
             if metrics is not None:
                 metrics.on_replica_check(mismatch)
             log("replica_mismatch" if mismatch else "replica_check", step=step)
+        checkpoints.poll()
         final = step >= target or stop_requested
         if step % spec.checkpoint.interval_steps == 0 or final:
             _finish_param_gather(model)
-            _checkpoint(
-                spec, model, optimizer, root, step, cursor, loss, layout, metrics, faults, log,
-                resumed_from,
-            )  # fmt: skip
+            checkpoints.save(model, optimizer, step, cursor, loss)
         if stop_requested and step < target:  # a signal at the last step changes nothing
             log("stopping_on_signal", step=step, signal=int(signum))
             exit_code = exitcodes.REQUEUE
             break
 
+    checkpoints.finish()
     if metrics is not None:
         metrics.set_up(False)
     log("train_end", step=step, loss=last_loss, exit_code=exit_code)
@@ -536,47 +537,3 @@ def _hook_finalize(
         finalize_model_grads(*args, **kwargs)
 
     config.finalize_model_grads_func = finalize
-
-
-def _checkpoint(
-    spec: RunSpec,
-    model: list,
-    optimizer: object,
-    root: Path,
-    step: int,
-    cursor: int,
-    loss: float,
-    layout: dict,
-    metrics: TrainMetrics | None,
-    faults: Faults,
-    log: _Log,
-    resumed_from: int | None,
-) -> None:
-    """Save and apply retention, which spares the checkpoint this attempt resumed from: the
-    watchdog may be rolling back to it while this attempt, going bad, saves on.
-
-    A storage failure is reported and training goes on (the next interval retries). A failed
-    collective is not caught: a peer died mid-save, and ranks that go on from wherever their
-    save broke off meet in different collectives and hang (tests/train/test_save_failures.py),
-    which reads as a hang of a healthy node. Raised, every rank exits and the job fails at
-    once: a crash, which the watchdog restarts."""
-    t0 = time.perf_counter()
-    protect = {resumed_from} if resumed_from else set()
-    try:
-        c = spec.checkpoint
-        path = dist_ckpt.save(
-            model, optimizer, root, step, cursor, loss, layout, c.keep_last, protect, c.keep_seconds
-        )
-    except dist_ckpt.STORAGE_ERRORS as exc:
-        if metrics is not None:
-            metrics.on_checkpoint(step, time.perf_counter() - t0, ok=False)
-        log("checkpoint_failed", all_ranks=True, step=step, error=repr(exc))
-        return
-    duration = time.perf_counter() - t0
-    if metrics is not None:
-        metrics.on_checkpoint(step, duration, ok=True)
-    log("checkpoint_saved", step=step, path=str(path), seconds=round(duration, 3))
-    if torch.distributed.get_rank() == 0:
-        victim = faults.corrupt_after_publish(step, path)
-        if victim is not None:
-            log("injected_checkpoint_corruption", step=step, file=str(victim))

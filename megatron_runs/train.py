@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from contracts import checkpoints
 from contracts.spec import RunSpec
 from contracts.task import TrainContext, nightwatch_home, node_name
 
@@ -30,8 +31,18 @@ class TrainResult:
 
 def train(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     """Run (or resume) training on this rank; every rank of the job calls it."""
+    use_run_compile_cache(ctx.checkpoint_dir)
     loop = import_frozen("megatron_runs.loop")
     return loop.run(spec, ctx)
+
+
+def use_run_compile_cache(checkpoint_dir: Path) -> None:
+    """Point TorchInductor's and Triton's caches at the run's folder (unless the environment
+    already names one): they default to /tmp of the node, so every attempt on a fresh node
+    compiled megatron's fused kernels again. Both read the variables when they compile."""
+    cache = checkpoints.compile_cache_dir(checkpoint_dir)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
 
 
 def preload() -> None:

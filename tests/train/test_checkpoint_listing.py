@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from contracts import checkpoints as ck
 
@@ -139,3 +142,21 @@ def test_a_pinned_checkpoint_survives_retention_until_an_attempt_resumes_past_it
     assert ck.pinned(tmp_path) == set()
     ck.retain(tmp_path, keep_last=2)
     assert [c.step for c in ck.list_checkpoints(tmp_path)] == [50, 60]
+
+
+def test_the_compile_cache_lives_in_the_run_folder_and_survives_retention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatron_runs import train
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    train.use_run_compile_cache(tmp_path)
+    cache = ck.compile_cache_dir(tmp_path)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(cache / "triton")
+    (cache / "triton").mkdir(parents=True)
+    for step in (1, 2, 3):
+        _fake_ckpt(tmp_path, step)
+    ck.retain(tmp_path, keep_last=1)
+    assert (cache / "triton").is_dir()

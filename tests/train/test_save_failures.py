@@ -31,14 +31,15 @@ class _Events:
 def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
     """One rank of a 2-rank gloo job that saves at step 10 (megatron's writer stubbed). It
     imports the training loop here, in the spawned process: megatron stays out of pytest's."""
-    from megatron_runs import loop
+    from megatron_runs import loop, saver
 
     dist_ckpt, torch = loop.dist_ckpt, loop.torch
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2
     )
+    loop.ps.initialize_model_parallel(1, 1)
 
-    def write(state: dict, path: str) -> None:
+    def write(state: dict, path: str, *args: Any, **kwargs: Any) -> None:
         if dies and rank == 1:
             os._exit(9)  # killed between the save's collectives
         torch.distributed.barrier()
@@ -47,7 +48,8 @@ def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
     dist_ckpt._state_dict = lambda *args, **kwargs: {}
     log = _Events()
     try:
-        loop._checkpoint(SPEC, [], None, Path(root), 10, 80, 5.0, {}, None, None, log, None)
+        checkpoints = saver.Checkpointer(SPEC.checkpoint, Path(root), {}, None, None, None, log)
+        checkpoints.save([], None, 10, 80, 5.0)
     except RuntimeError as exc:
         answers.put((rank, "raised", str(exc)[:200]))
         return

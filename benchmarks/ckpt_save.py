@@ -1,0 +1,247 @@
+"""Checkpoint save cost, Nightwatch's path against plain Megatron-Core, on one model state.
+
+Every repeat, on the same GPT + distributed-optimizer state (data parallel over all ranks,
+Adam moments filled by a few optimizer steps on random gradients):
+
+* `nightwatch`: `dist_ckpt.Writer.save` as the training loop calls it, by phase (fresh temp
+  dir, state dict with the optimizer gather, megatron's write, fsyncs, metadata, publish
+  rename + `latest`, retention, the closing all-reduce);
+* `plain`: the same sharded state dict through `dist_checkpointing.save` with its default
+  strategy into a fresh directory (no metadata, no publish);
+* `async`: `Writer.start` (the loop's stall until it trains on), then optimizer steps while
+  the writer runs, each polling the save, until it is durable and published: `stall_s` is
+  the time the loop was blocked (start + the poll that published), `durable_s` the time
+  from the start until published;
+* `load`: `dist_ckpt.load` of the newest checkpoint.
+
+Runs on CPU (gloo, fp32) and on GPU (NCCL, bf16). It starts its own ranks
+(megatron_runs.launch_local) unless it runs under torchrun:
+
+    python benchmarks/ckpt_save.py --size 1.3b --nproc 4 --repeats 3 --out $OUT/ckpt_save.json
+    torchrun --nproc-per-node 4 benchmarks/ckpt_save.py --size 1.3b --out $OUT/ckpt_save.json
+
+Checkpoints go to `--work` (never under $OUT: they are the size of the state, 17 GiB for 1.3B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.train_gpu import SIZES, gpt  # noqa: E402
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks to start (not under torchrun)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, help="results JSON")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "nightwatch-ckpt-save",
+        help="checkpoint directories (emptied first)",
+    )
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = _args()
+    if "RANK" in os.environ:
+        _rank_main(args)
+        return
+    from megatron_runs.launch_local import launch
+
+    shutil.rmtree(args.work, ignore_errors=True)
+    result = args.work / "result.json"
+    argv = [
+        "--size", args.size, "--repeats", str(args.repeats), "--work", str(args.work),
+        "--out", str(result),
+    ]  # fmt: skip
+    run = launch(argv, args.nproc, args.work / "logs", entry=(str(Path(__file__).resolve()),))
+    codes = run.wait(3600)
+    if codes != [0] * args.nproc or not result.exists():
+        print((args.work / "logs" / "rank0.log").read_text(errors="replace")[-4000:])
+        raise SystemExit(f"ranks exited {codes}")
+    data = json.loads(result.read_text())
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=1))
+    print(_table(data))
+
+
+def _table(data: dict) -> str:
+    """Median seconds per repeat, one row per measured path and phase."""
+    rows = [f"{data['size']} on {data['world']} × {data['device']}, {data['gib']:.2f} GiB state"]
+
+    def median(values: list[float]) -> str:
+        return f"{statistics.median(values):8.3f}" if values else "       -"
+
+    for path in ("nightwatch", "plain", "async"):
+        runs = data["repeats"][path]
+        rows.append(f"{path:<28}{median([r['total_s'] for r in runs])}")
+        for phase in runs[0]["phases"] if runs else []:
+            rows.append(f"  {phase:<26}{median([r['phases'][phase] for r in runs])}")
+        for key in ("stall_s", "durable_s"):
+            if runs and key in runs[0]:
+                rows.append(f"  {key:<26}{median([r[key] for r in runs])}")
+    rows.append(f"{'load':<28}{median(data['repeats']['load'])}")
+    return "\n".join(rows)
+
+
+def _rank_main(args: argparse.Namespace) -> None:
+    from megatron_runs import loop
+
+    torch = loop.torch
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from contracts import checkpoints as ck
+    from contracts.spec import RunSpec
+    from megatron_runs import dist_ckpt
+
+    rank, world, _, _ = loop._init_distributed()
+    ps.initialize_model_parallel(1, 1)
+    raw = gpt(
+        f"ckpt-{args.size}", tp=1, pp=1, dp=world, steps=10, mbs=1, gbs=world, **SIZES[args.size]
+    )
+    raw["resources"]["device"] = "cpu" if loop.CPU else "gpu"
+    bf16 = not loop.CPU
+    raw["model"]["precision"] = "bf16" if bf16 else "fp32"
+    spec = RunSpec.model_validate(raw)
+    torch.manual_seed(1)
+    model, _ = loop._build_model(spec, bf16)
+    optimizer = loop._build_optimizer(spec, model, bf16)
+
+    def train_step() -> None:
+        """A stand-in step: random gradients, a real optimizer update of every parameter."""
+        for chunk in model:
+            for buf in chunk.buffers:
+                buf.grad_data.normal_(0, 1e-3)
+        optimizer.step()
+        loop._finish_param_gather(model)
+
+    for _ in range(2):
+        train_step()
+    nbytes = _state_bytes(model, optimizer)
+    layout = {"tensor": 1, "pipeline": 1, "data": world}
+    work = args.work
+    plain_dir = work / "plain"
+    nw_root = work / "nightwatch"
+    writer = dist_ckpt.Writer()
+    results: dict = {"nightwatch": [], "plain": [], "async": [], "load": []}
+
+    def barrier_time() -> float:
+        torch.distributed.barrier()
+        if not loop.CPU:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def nightwatch(step: int) -> dict:
+        phases = dist_ckpt.Phases()
+        t0 = barrier_time()
+        phases.mark("start")
+        target = dist_ckpt.Target(nw_root, step, step * world, 1.0, layout, keep_last=1)
+        writer.save(model, optimizer, target, phases)
+        total = barrier_time() - t0
+        phases.seconds.pop("start")
+        return {"total_s": total, "phases": phases.seconds}
+
+    def plain() -> dict:
+        if rank == 0:
+            shutil.rmtree(plain_dir, ignore_errors=True)
+            plain_dir.mkdir(parents=True)
+        t0 = barrier_time()
+        state = dist_ckpt._state_dict(model, optimizer, is_loading=False)
+        t1 = time.perf_counter()
+        dist_checkpointing.save(state, str(plain_dir))
+        t2 = barrier_time()
+        if rank == 0:
+            shutil.rmtree(plain_dir, ignore_errors=True)  # room on disk for the next save
+        return {"total_s": t2 - t0, "phases": {"state_dict": t1 - t0, "save": t2 - t1}}
+
+    def async_save(step: int) -> dict:
+        phases = dist_ckpt.Phases()
+        t0 = barrier_time()
+        phases.mark("start")
+        target = dist_ckpt.Target(nw_root, step, step * world, 1.0, layout, keep_last=1)
+        pending = writer.start(model, optimizer, target, phases)
+        stall = time.perf_counter() - t0
+        steps = 0
+        while True:
+            train_step()
+            steps += 1
+            polled = time.perf_counter()
+            done = pending.poll()
+            stall += time.perf_counter() - polled
+            if done is not None:
+                break
+        durable = time.perf_counter() - t0
+        phases.seconds.pop("start")
+        return {
+            "total_s": durable, "stall_s": stall, "durable_s": durable, "steps_meanwhile": steps,
+            "phases": phases.seconds,
+        }  # fmt: skip
+
+    step = 2
+    for i in range(args.repeats):
+        order = [plain, nightwatch] if i % 2 else [nightwatch, plain]
+        for fn in order:
+            step += 1
+            results[fn.__name__].append(fn(step) if fn is nightwatch else fn())
+        step += 1
+        results["async"].append(async_save(step))
+        t0 = barrier_time()
+        info = ck.newest_complete(nw_root)
+        dist_ckpt.load(model, optimizer, info)
+        results["load"].append(barrier_time() - t0)
+        if rank == 0:
+            print(json.dumps({"repeat": i, **{k: v[-1] for k, v in results.items()}}), flush=True)
+    if rank == 0:
+        data = {
+            "size": args.size,
+            "world": world,
+            "device": "cpu" if loop.CPU else torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "gib": nbytes / 2**30,
+            "repeats": results,
+        }
+        args.out.write_text(json.dumps(data, indent=1))
+        print(_table(data), flush=True)
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _state_bytes(model: list, optimizer: object) -> int:
+    """Bytes of the model's parameters and the whole optimizer state (all ranks together)."""
+    import torch
+
+    from megatron_runs.cpu_compat import collective_device
+
+    params = sum(p.numel() * p.element_size() for c in model for p in c.parameters())
+    local = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            local += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+        for group in getattr(opt, "shard_fp32_from_float16_groups", []):
+            local += sum(t.numel() * t.element_size() for t in group)
+    total = torch.tensor([float(local)], device=collective_device())
+    torch.distributed.all_reduce(total)
+    return params + int(total.item())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The training loop's checkpoints: when a save starts, when it is published, what is reported.
+
+`checkpoint.async_save: false` saves at the step boundary and trains on once the checkpoint is
+published. With `true`, the loop stalls only while the state is copied to host memory and the
+writers are forked; every later step polls the save (one all-reduce), and the step at which
+every rank's writer has finished publishes it. A second save, the end of training and a stop
+signal first wait for the save in flight and publish it, so the exit code's promise (a
+checkpoint at the step the job stopped) holds either way.
+
+A storage failure is reported and training goes on (the next interval retries). A failed
+collective is not caught: a peer died mid-save, and ranks that go on from wherever their save
+broke off meet in different collectives and hang (tests/train/test_save_failures.py), which
+reads as a hang of a healthy node. Raised, every rank exits and the job fails at once: a
+crash, which the watchdog restarts. A save in flight when that happens is never published.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from contracts.spec import CheckpointSpec
+from megatron_runs import dist_ckpt
+from megatron_runs.faults import Faults
+from megatron_runs.metrics import TrainMetrics
+
+
+class Checkpointer:
+    """Saves of one attempt. Retention spares the checkpoint this attempt resumed from: the
+    watchdog may be rolling back to it while this attempt, going bad, saves on."""
+
+    def __init__(
+        self,
+        spec: CheckpointSpec,
+        root: Path,
+        layout: dict[str, int],
+        resumed_from: int | None,
+        metrics: TrainMetrics | None,
+        faults: Faults,
+        log: Callable[..., None],
+    ) -> None:
+        self.spec = spec
+        self.root = root
+        self.layout = layout
+        self.protect = frozenset({resumed_from} if resumed_from else set())
+        self.metrics = metrics
+        self.faults = faults
+        self.log = log
+        self.writer = dist_ckpt.Writer()
+        self.pending: dist_ckpt.PendingSave | None = None
+        self.started = 0.0  # when the save in flight began
+        self.stall = 0.0  # how long the loop has waited for it so far
+
+    def save(self, model: list, optimizer: object, step: int, cursor: int, loss: float) -> None:
+        """Save at `step` (collective); with async saves, start it and return."""
+        self.finish()
+        target = dist_ckpt.Target(
+            self.root, step, cursor, loss, self.layout, self.spec.keep_last, self.protect,
+            self.spec.keep_seconds,
+        )  # fmt: skip
+        t0 = self.started = time.perf_counter()
+        try:
+            if self.spec.async_save:
+                self.pending = self.writer.start(model, optimizer, target)
+                self.stall = time.perf_counter() - t0
+                return
+            path = self.writer.save(model, optimizer, target)
+        except dist_ckpt.STORAGE_ERRORS as exc:
+            self._failed(step, time.perf_counter() - t0, exc)
+            return
+        duration = time.perf_counter() - t0
+        self._published(step, path, duration, duration)
+
+    def poll(self) -> None:
+        """Publish the save in flight if every rank's writer finished (collective, each step)."""
+        if self.pending is not None:
+            self._settle(self.pending.poll)
+
+    def finish(self) -> None:
+        """Wait for the save in flight and publish it (collective)."""
+        if self.pending is not None:
+            self._settle(self.pending.wait)
+
+    def _settle(self, publish: Callable[[], Path | None]) -> None:
+        pending = self.pending
+        assert pending is not None
+        t0 = time.perf_counter()
+        try:
+            path = publish()
+        except dist_ckpt.STORAGE_ERRORS as exc:
+            self.pending = None
+            self._failed(pending.step, time.perf_counter() - self.started, exc)
+            return
+        if path is None:
+            return
+        self.pending = None
+        self.stall += time.perf_counter() - t0
+        self._published(pending.step, path, time.perf_counter() - self.started, self.stall)
+
+    def _failed(self, step: int, duration: float, exc: Exception) -> None:
+        if self.metrics is not None:
+            self.metrics.on_checkpoint(step, duration, ok=False)
+        self.log("checkpoint_failed", all_ranks=True, step=step, error=repr(exc))
+
+    def _published(self, step: int, path: Path, duration: float, stall: float) -> None:
+        """`duration`: from the save's start until published; `stall`: how long the loop
+        waited for it (the same for a synchronous save)."""
+        if self.metrics is not None:
+            self.metrics.on_checkpoint(step, duration, ok=True)
+        self.log(
+            "checkpoint_saved", step=step, path=str(path), seconds=round(duration, 3),
+            stall_seconds=round(stall, 3), async_save=self.spec.async_save,
+        )  # fmt: skip
+        if torch.distributed.get_rank() == 0:
+            victim = self.faults.corrupt_after_publish(step, path)
+            if victim is not None:
+                self.log("injected_checkpoint_corruption", step=step, file=str(victim))
