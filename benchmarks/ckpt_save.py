@@ -104,7 +104,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     from megatron_runs import loop
 
     torch = loop.torch
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
 
     from contracts import checkpoints as ck
@@ -121,6 +121,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     raw["model"]["precision"] = "bf16" if bf16 else "fp32"
     spec = RunSpec.model_validate(raw)
     torch.manual_seed(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
     model, _ = loop._build_model(spec, bf16)
     optimizer = loop._build_optimizer(spec, model, bf16)
 
