@@ -94,6 +94,15 @@ class BatchCluster:
     def submit(self, request: JobRequest, fn: Callable[[], object]) -> Submission:
         raise AssertionError("the benchmark's runs are all running")
 
+    def find_jobs(self, job_name: str) -> list[str]:
+        return []
+
+    def live_jobs(self, prefix: str) -> dict[str, str]:
+        return {}
+
+    def finish_submission(self, job_id: str, log_dir: Path) -> bool:
+        return False
+
     def cancel(self, job_id: str) -> None:
         raise AssertionError("a healthy fleet needs no remedy")
 

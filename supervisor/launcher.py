@@ -1,22 +1,20 @@
-"""Turn a run + attempt plan into a submission, and say what an ended attempt means.
+"""Turn a run + attempt plan into a submission.
 
 Why pure helpers: the reconciler (supervisor.watchdog) calls this every tick, and the
-decisions here — sbatch parameters from a spec, the attempt state from a SLURM state, whether a
-walltime/preemption stop continues as a new attempt — must be testable on plain data. The only
-side effect is `submit`, which hands the request to a `supervisor.slurm.Cluster`.
+decisions here (sbatch parameters, the task and its environment from a spec) must be testable
+on plain data. The only side effect is `submit`, which hands the request to a
+`supervisor.slurm.Cluster`. What an ended attempt means is the watchdog's (detectors, policy).
 """
 
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contracts import exitcodes
 from contracts.spec import RunSpec
 from supervisor.settings import Settings
-from supervisor.slurm import Cluster, JobRequest, JobState, JobStatus, Submission
+from supervisor.slurm import Cluster, JobRequest, Submission
 from worker.task import TrainingTask
 
 
@@ -152,72 +150,3 @@ def training_task(plan: SubmitPlan) -> TrainingTask:
 def submit(cluster: Cluster, plan: SubmitPlan) -> Submission:
     """Submit one attempt; the caller records job_id on the attempt."""
     return cluster.submit(job_request(plan), training_task(plan))
-
-
-_ATTEMPT_STATE = {
-    JobState.PENDING: "submitted",
-    JobState.REQUEUED: "submitted",
-    JobState.RUNNING: "running",
-    JobState.COMPLETED: "completed",
-    JobState.FAILED: "failed",
-    JobState.CANCELLED: "cancelled",
-    JobState.NODE_FAIL: "node_fail",
-    JobState.PREEMPTED: "preempted",
-    JobState.TIMEOUT: "timeout",
-    JobState.OUT_OF_MEMORY: "out_of_memory",
-    JobState.BOOT_FAIL: "node_fail",
-    JobState.DEADLINE: "timeout",
-}
-
-
-def attempt_state(status: JobStatus) -> str | None:
-    """`supervisor.models.AttemptState` value for a polled job; None = unknown, change nothing.
-
-    A job that exited 75 checkpointed on a preemption/walltime signal: it is "preempted",
-    whatever SLURM calls it (FAILED with exit code 75).
-    """
-    if status.state is JobState.UNKNOWN:
-        return None
-    if status.state is JobState.FAILED and status.exit_code == exitcodes.REQUEUE:
-        return "preempted"
-    return _ATTEMPT_STATE[status.state]
-
-
-class Next(enum.StrEnum):
-    """What follows an ended attempt, when no fault explains it (the policy owns faults)."""
-
-    DONE = "done"  # train_steps reached
-    CONTINUE = "continue"  # walltime / preemption stop with progress left: chain a new attempt
-    NOT_MINE = "not_mine"  # a failure: detectors + policy decide (restart, exclude, escalate)
-    WAIT = "wait"  # still pending / running / unknown
-
-
-@dataclass(frozen=True)
-class Continuation:
-    next: Next
-    resume_step: int | None = None
-    reason: str = ""
-
-
-def continuation(
-    status: JobStatus, last_checkpoint_step: int | None, train_steps: int
-) -> Continuation:
-    """Walltime chaining: TIMEOUT / PREEMPTED / exit 75 / clean stop short of the target → next.
-
-    The next attempt resumes from the newest complete checkpoint (resume_step None lets the
-    trainer pick it; the step is reported for the record).
-    """
-    if not status.state.terminal or status.state is JobState.UNKNOWN:
-        return Continuation(Next.WAIT)
-    step = last_checkpoint_step or 0
-    if step >= train_steps:
-        return Continuation(Next.DONE, step, f"checkpoint at step {step} ≥ train_steps")
-    stopped = status.state in (JobState.TIMEOUT, JobState.PREEMPTED, JobState.DEADLINE) or (
-        status.state is JobState.FAILED and status.exit_code == exitcodes.REQUEUE
-    )
-    if stopped:
-        return Continuation(Next.CONTINUE, last_checkpoint_step, f"{status.state} at step {step}")
-    if status.state is JobState.COMPLETED:
-        # A clean exit short of the target (stop_at_step): also a chained stop.
-        return Continuation(Next.CONTINUE, last_checkpoint_step, f"stopped at step {step}")
-    return Continuation(Next.NOT_MINE, reason=f"{status.state} exit {status.exit_code}")

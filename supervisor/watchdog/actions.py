@@ -285,20 +285,17 @@ class Actuator:
         """A job of a submission whose outcome was never recorded (the supervisor died),
         with its submission finished if the death came between sbatch and the job's pickle."""
         job_id = self._find_submitted(run_id, number, log_dir)
-        finisher = getattr(self.cluster, "finish_submission", None)
-        if job_id is not None and finisher is not None and finisher(job_id, log_dir):
+        if job_id is not None and self.cluster.finish_submission(job_id, log_dir):
             log.warning(f"job {job_id} was submitted without its task", extra=_ctx(run_id, number))
         return job_id
 
     def _find_submitted(self, run_id: str, number: int, log_dir: Path) -> str | None:
-        finder = getattr(self.cluster, "find_jobs", None)
-        if finder is not None:
-            try:
-                ids = finder(job_name(run_id, number))
-            except SourceUnavailable:
-                ids = []
-            if ids:
-                return max(ids, key=lambda j: int(str(j).split("_")[0]))  # "100" is newer than "99"
+        try:
+            ids = self.cluster.find_jobs(job_name(run_id, number))
+        except SourceUnavailable:
+            ids = []
+        if ids:
+            return max(ids, key=lambda j: int(str(j).split("_")[0]))  # "100" is newer than "99"
         if log_dir.is_dir():
             ids = [p.name for p in log_dir.iterdir() if p.is_dir() and re.fullmatch(r"\d+", p.name)]
             if ids:

@@ -24,13 +24,13 @@ from typing import Any
 
 from contracts import exitcodes
 from contracts.spec import RecoverySpec
+from supervisor.models import AttemptState
 from supervisor.watchdog.snapshot import (
     DARK_AFTER_S,
     METRIC_WINDOW_STEPS,
     Cause,
     Finding,
     FindingKind,
-    JobState,
     MetricSample,
     Snapshot,
     SourceHealth,
@@ -74,7 +74,8 @@ def _job_running(snap: Snapshot) -> bool:
     """SLURM says the job runs and is not being torn down: a hang in a COMPLETING job is
     the teardown's, and its final state (NODE_FAIL, CANCELLED, ...) is the finding."""
     job = snap.job
-    return job.health is SourceHealth.UP and job.state is JobState.RUNNING and not job.completing
+    running = job.state is AttemptState.RUNNING
+    return job.health is SourceHealth.UP and running and not job.completing
 
 
 def _metrics_ok(snap: Snapshot) -> bool:
@@ -781,13 +782,13 @@ def classify_failure(exit_code: int | None, reason: str | None) -> Cause:
     return Cause.UNKNOWN
 
 
-_JOB_FINDINGS: dict[JobState, tuple[FindingKind, Cause]] = {
-    JobState.NODE_FAIL: (FindingKind.JOB_NODE_FAIL, Cause.NODE),
-    JobState.PREEMPTED: (FindingKind.JOB_PREEMPTED, Cause.INFRA),
-    JobState.TIMEOUT: (FindingKind.JOB_TIMEOUT, Cause.INFRA),
-    JobState.OUT_OF_MEMORY: (FindingKind.JOB_OOM, Cause.CODE),
-    JobState.CANCELLED: (FindingKind.JOB_CANCELLED, Cause.UNKNOWN),
-    JobState.LOST: (FindingKind.JOB_LOST, Cause.UNKNOWN),
+_JOB_FINDINGS: dict[AttemptState, tuple[FindingKind, Cause]] = {
+    AttemptState.NODE_FAIL: (FindingKind.JOB_NODE_FAIL, Cause.NODE),
+    AttemptState.PREEMPTED: (FindingKind.JOB_PREEMPTED, Cause.INFRA),
+    AttemptState.TIMEOUT: (FindingKind.JOB_TIMEOUT, Cause.INFRA),
+    AttemptState.OUT_OF_MEMORY: (FindingKind.JOB_OOM, Cause.CODE),
+    AttemptState.CANCELLED: (FindingKind.JOB_CANCELLED, Cause.UNKNOWN),
+    AttemptState.LOST: (FindingKind.JOB_LOST, Cause.UNKNOWN),
 }
 
 
@@ -804,7 +805,7 @@ def detect_job_state(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
         "nodes": list(job.nodes),
     }
     step = snap.disk_checkpoint_step
-    if job.state is JobState.COMPLETED:
+    if job.state is AttemptState.COMPLETED:
         if step is None or snap.target_steps is None or step >= snap.target_steps:
             return []
         return [
@@ -818,19 +819,19 @@ def detect_job_state(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             )
         ]
     summary = f"job {job.job_id} {job.state.value}" + (f": {job.reason}" if job.reason else "")
-    if job.state is JobState.FAILED and job.exit_code == exitcodes.REQUEUE:
+    if job.state is AttemptState.FAILED and job.exit_code == exitcodes.REQUEUE:
         # The trainer checkpointed on SLURM's TERM or USR2 and asked to be requeued: a
         # preemption or a walltime warning, not a failure (SLURM can only say FAILED 75).
         kind, cause = FindingKind.JOB_PREEMPTED, Cause.INFRA
         summary = f"job {job.job_id} checkpointed on a stop signal (exit 75): requeue"
-    elif job.state is JobState.FAILED and job.exit_code == exitcodes.NO_GPU:
+    elif job.state is AttemptState.FAILED and job.exit_code == exitcodes.NO_GPU:
         # The job was given GPUs and a rank saw fewer: the node or the cluster's GPU set-up is
         # wrong, and the same request would fail the same way.
         kind, cause = FindingKind.JOB_NO_GPU, Cause.CODE
         summary = f"job {job.job_id}: a rank found no GPU (exit {exitcodes.NO_GPU})" + (
             f": {job.reason}" if job.reason else ""
         )
-    elif job.state is JobState.FAILED:
+    elif job.state is AttemptState.FAILED:
         cause = job.cause or classify_failure(job.exit_code, job.reason)
         kind = FindingKind.JOB_FAILED
     elif job.state in _JOB_FINDINGS:

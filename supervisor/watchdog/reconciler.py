@@ -35,7 +35,6 @@ from contracts import exitcodes
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
-from supervisor.joblog import LogFinding, LogKind, classify, suspect_hosts
 from supervisor.launcher import JOB_PREFIX, NodeSetup
 from supervisor.metrics import SupervisorMetrics
 from supervisor.models import (
@@ -53,8 +52,8 @@ from supervisor.models import (
 )
 from supervisor.prometheus import MetricSource, PrometheusSource, ScrapeSource, Target
 from supervisor.settings import Settings
-from supervisor.slurm import Cluster, JobStatus, SourceUnavailable, make_cluster, tail
-from supervisor.slurm import JobState as SlurmState
+from supervisor.slurm import Cluster, JobState, JobStatus, SourceUnavailable, make_cluster, tail
+from supervisor.slurm.joblogs import LogFinding, LogKind, classify, suspect_hosts
 from supervisor.watchdog import accounting, strays
 from supervisor.watchdog.actions import (
     ROLLS_BACK,
@@ -82,7 +81,6 @@ from supervisor.watchdog.snapshot import (
     CheckpointRef,
     Finding,
     FindingKind,
-    JobState,
     JobView,
     MetricsView,
     PastRemedy,
@@ -95,33 +93,6 @@ from supervisor.watchdog.snapshot import (
 from supervisor.watchdog.telemetry import WatchdogMetrics
 
 log = logging.getLogger("nightwatch.watchdog")
-
-_JOB_STATE: dict[SlurmState, JobState] = {
-    SlurmState.PENDING: JobState.PENDING,
-    SlurmState.REQUEUED: JobState.PENDING,
-    SlurmState.RUNNING: JobState.RUNNING,
-    SlurmState.COMPLETED: JobState.COMPLETED,
-    SlurmState.FAILED: JobState.FAILED,
-    SlurmState.CANCELLED: JobState.CANCELLED,
-    SlurmState.NODE_FAIL: JobState.NODE_FAIL,
-    SlurmState.BOOT_FAIL: JobState.NODE_FAIL,
-    SlurmState.PREEMPTED: JobState.PREEMPTED,
-    SlurmState.TIMEOUT: JobState.TIMEOUT,
-    SlurmState.DEADLINE: JobState.TIMEOUT,
-    SlurmState.OUT_OF_MEMORY: JobState.OUT_OF_MEMORY,
-}
-_ATTEMPT_STATE: dict[JobState, AttemptState] = {
-    JobState.RUNNING: AttemptState.RUNNING,
-    JobState.COMPLETED: AttemptState.COMPLETED,
-    JobState.FAILED: AttemptState.FAILED,
-    JobState.CANCELLED: AttemptState.CANCELLED,
-    JobState.PREEMPTED: AttemptState.PREEMPTED,
-    JobState.TIMEOUT: AttemptState.TIMEOUT,
-    JobState.NODE_FAIL: AttemptState.NODE_FAIL,
-    JobState.OUT_OF_MEMORY: AttemptState.OUT_OF_MEMORY,
-    JobState.LOST: AttemptState.LOST,
-}
-
 
 #: Seconds between refreshes of a run's ETTR gauge, and how many runs one tick refreshes. Each
 #: refresh is three DB reads (`benchmarks/reconcile_scale.py`, 1,000 runs: 50 a tick gave a
@@ -184,12 +155,12 @@ def job_view(
         return JobView(health=SourceHealth.DOWN, job_id=attempt.job_id)
     if attempt.job_id is None:
         if attempt.state is AttemptState.FAILED:
-            return JobView(SourceHealth.UP, JobState.LOST, reason=attempt.end_reason)
+            return JobView(SourceHealth.UP, AttemptState.LOST, reason=attempt.end_reason)
         return JobView(health=SourceHealth.MISSING)
-    if status is None or status.state is SlurmState.UNKNOWN:
+    if status is None or status.state is JobState.UNKNOWN:
         age = now - attempt.submitted_at.timestamp()
         if age > lost_after_s:
-            return JobView(SourceHealth.UP, JobState.LOST, job_id=attempt.job_id)
+            return JobView(SourceHealth.UP, AttemptState.LOST, job_id=attempt.job_id)
         return JobView(health=SourceHealth.MISSING, job_id=attempt.job_id)
     cause, reason, hosts = log_cause
     nodes = status.nodes
@@ -198,7 +169,7 @@ def job_view(
         nodes = tuple(attempt.nodes_json)
     return JobView(
         health=SourceHealth.UP,
-        state=_JOB_STATE[status.state],
+        state=status.state.attempt_state,
         job_id=status.job_id,
         nodes=nodes,
         exit_code=status.exit_code,
@@ -474,12 +445,9 @@ class Reconciler:
 
     def _cancel_strays(self) -> None:
         """Cancel the live jobs no run may have (one listing a tick; skipped while SLURM
-        does not answer, or for a cluster that cannot list its jobs)."""
-        lister = getattr(self.cluster, "live_jobs", None)
-        if lister is None:
-            return
+        does not answer)."""
         try:
-            live = lister(JOB_PREFIX)
+            live = self.cluster.live_jobs(JOB_PREFIX)
         except SourceUnavailable as exc:
             log.warning(f"listing live jobs failed: {exc}")
             return
@@ -682,7 +650,7 @@ class Reconciler:
     ) -> None:
         spec = self._spec(run)
         # Unknown to SLURM might still be alive: cancel before resubmitting, to be sure.
-        active_job = status is None or status.state is SlurmState.UNKNOWN or status.state.active
+        active_job = status is None or status.state is JobState.UNKNOWN or status.state.active
         if run.cancel_requested:
             self.actuator.cancel_run(
                 run.id, run.current_attempt, attempt.job_id if attempt else None, active_job
@@ -730,7 +698,7 @@ class Reconciler:
         )
         self._check_recovery(run, attempt, view, incidents, now)
         if (
-            job.state is JobState.COMPLETED
+            job.state is AttemptState.COMPLETED
             and disk_step is not None
             and (disk_step >= run.target_steps)
         ):
@@ -815,14 +783,14 @@ class Reconciler:
     def _log_cause(
         self, run: Run, attempt: Attempt, status: JobStatus | None, view: MetricsView
     ) -> LogCause:
-        if status is None or status.state is not SlurmState.FAILED:
+        if status is None or status.state is not JobState.FAILED:
             return (None, None, ())
         key = (run.id, attempt.number)
         if key not in self._log_causes:
             log_dir = attempt_log_dir(self.config.home, run.id, attempt.number)
             try:
-                files = self.cluster.log_files(status.job_id, log_dir=log_dir)  # type: ignore[call-arg]
-            except (TypeError, OSError):
+                files = self.cluster.log_files(status.job_id, log_dir=log_dir)
+            except OSError:
                 files = []
             text = "\n".join(tail(f) for f in files)
             progress = any(s.step for s in view.samples)
@@ -834,10 +802,10 @@ class Reconciler:
         """Mirror SLURM's view into the attempt row (and SUBMITTED → RUNNING) once."""
         if job.health is not SourceHealth.UP or job.state is None:
             return
-        new = _ATTEMPT_STATE.get(job.state)
+        new = job.state
         if new is AttemptState.FAILED and job.exit_code == exitcodes.REQUEUE:
             new = AttemptState.PREEMPTED  # checkpointed on USR2/TERM; SLURM says FAILED 75
-        if new is None or attempt.state is new or attempt.ended_at is not None:
+        if new is AttemptState.SUBMITTED or attempt.state is new or attempt.ended_at is not None:
             return
         fields: dict[str, Any] = {"state": new}
         if job.nodes:
@@ -1000,11 +968,7 @@ class Reconciler:
             ).all()
             strikes = {n.name: n.strikes for n in s.scalars(select(Node)).all()}
         try:  # spare capacity, asked only when a remedy is being chosen
-            usable: list[str] | None = [
-                n.name
-                for n in self.cluster.nodes().values()
-                if not n.down and "drain" not in n.state and "drng" not in n.state
-            ]
+            usable: list[str] | None = [n.name for n in self.cluster.nodes().values() if n.usable]
         except SourceUnavailable:
             usable = None
         return history_from_rows(

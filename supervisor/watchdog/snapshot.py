@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.models import AttemptState
+
 #: Steps covered by the worker's `*_window_max` / `*_window_min` gauges (docs/contracts.md).
 METRIC_WINDOW_STEPS = 16
 
@@ -26,25 +28,6 @@ class SourceHealth(enum.StrEnum):
     DOWN = "down"  # the source failed (Prometheus / sacct unreachable, scrape error)
     STALE = "stale"  # the source answered but its newest data is too old
     MISSING = "missing"  # the source is up but has no series for this run yet
-
-
-class JobState(enum.StrEnum):
-    """SLURM's view of the attempt's job, in SLURM's own words."""
-
-    PENDING = "pending"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    PREEMPTED = "preempted"
-    TIMEOUT = "timeout"
-    NODE_FAIL = "node_fail"
-    OUT_OF_MEMORY = "out_of_memory"
-    LOST = "lost"  # SLURM answered and does not know the job
-
-    @property
-    def terminal(self) -> bool:
-        return self not in (JobState.PENDING, JobState.RUNNING)
 
 
 class Cause(enum.StrEnum):
@@ -125,10 +108,12 @@ class MetricsView:
 
 @dataclass(frozen=True, slots=True)
 class JobView:
-    """SLURM's answer for the attempt's job (from one batched poll for all runs)."""
+    """SLURM's answer for the attempt's job (from one batched poll for all runs), in the
+    attempt's words (`supervisor.slurm.JobState.attempt_state`); LOST: SLURM answered and does
+    not know the job."""
 
     health: SourceHealth
-    state: JobState | None = None
+    state: AttemptState | None = None
     job_id: str | None = None
     nodes: tuple[str, ...] = ()
     exit_code: int | None = None

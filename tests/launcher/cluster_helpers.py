@@ -1,4 +1,5 @@
-"""Small waits and readers shared by the cluster tests."""
+"""Small waits and readers shared by the cluster tests, and the watchdog's reading of a
+real job's ending."""
 
 from __future__ import annotations
 
@@ -7,7 +8,18 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor.slurm import SlurmCluster, tail
+from contracts.spec import RunSpec
+from supervisor.slurm import JobStatus, SlurmCluster, tail
+from supervisor.watchdog.detectors import detect_all
+from supervisor.watchdog.policy import decide
+from supervisor.watchdog.snapshot import (
+    JobView,
+    MetricsView,
+    Remedy,
+    RunHistory,
+    Snapshot,
+    SourceHealth,
+)
 
 
 def wait_until(
@@ -41,3 +53,28 @@ def scrape_step(host: str, port: int) -> float | None:
         if line.startswith("nightwatch_train_step{"):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def watchdog_remedy(status: JobStatus, spec: RunSpec, disk_step: int) -> Remedy:
+    """What the watchdog's detectors and policy make of a real job's polled status on a
+    run's first fault (REQUEUE: a checkpointed stop continues as a new attempt; NONE: the
+    target was reached, the run is done)."""
+    job = JobView(
+        health=SourceHealth.UP,
+        state=status.state.attempt_state,
+        job_id=status.job_id,
+        nodes=status.nodes,
+        exit_code=status.exit_code,
+        reason=status.reason or None,
+        failed_nodes=status.failed_nodes,
+    )
+    snap = Snapshot(
+        run_id=spec.name,
+        attempt=1,
+        now=time.time(),
+        metrics=MetricsView(SourceHealth.MISSING),
+        job=job,
+        target_steps=spec.training.train_steps,
+        disk_checkpoint_step=disk_step,
+    )
+    return decide(snap, detect_all(snap, spec.recovery), RunHistory(), spec.recovery)

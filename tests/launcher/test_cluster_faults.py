@@ -9,9 +9,11 @@ from dataclasses import replace
 import pytest
 
 from supervisor import launcher
+from supervisor.models import AttemptState
 from supervisor.slurm import JobState, wait_for
+from supervisor.watchdog.snapshot import RemedyKind
 
-from .cluster_helpers import job_logs, latest, scrape_step, wait_until
+from .cluster_helpers import job_logs, latest, scrape_step, wait_until, watchdog_remedy
 from .conftest import devcluster
 from .endpoints import EndpointRegistry
 
@@ -44,8 +46,9 @@ def test_node_failure_reports_node_and_resubmission_lands_on_spare(
         print(f"kill-node → NODE_FAIL polled: {time.monotonic() - killed_at:.1f}s")
         assert failed.state is JobState.NODE_FAIL, failed
         assert failed.failed_nodes == (victim,)
-        assert launcher.attempt_state(failed) == "node_fail"
-        assert launcher.continuation(failed, latest(ckpt), 24).next is launcher.Next.NOT_MINE
+        assert failed.state.attempt_state is AttemptState.NODE_FAIL
+        remedy = watchdog_remedy(failed, spec, latest(ckpt))
+        assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == (victim,)
         resume_from = latest(ckpt)
         assert resume_from >= 3
         retry = replace(plan, attempt=2, exclude=(victim,))
@@ -79,13 +82,12 @@ def test_preemption_signal_checkpoints_next_step_and_resumes(slurm, tmp_path, to
         stopped = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=60)
         print(f"USR2 → job ended with 75: {time.monotonic() - signalled_at:.1f}s")
     assert stopped.state is JobState.FAILED and stopped.exit_code == 75, stopped
-    assert launcher.attempt_state(stopped) == "preempted"
     saved = latest(plan.checkpoint_dir)
     # checkpoint at the next step boundary: at most a step or two after the one we scraped
     assert step_at_signal <= saved <= step_at_signal + 3
-    nxt = launcher.continuation(stopped, saved, spec.training.train_steps)
-    assert nxt.next is launcher.Next.CONTINUE
-    sub2 = launcher.submit(slurm, replace(plan, attempt=2, resume_step=nxt.resume_step))
+    assert watchdog_remedy(stopped, spec, saved).kind is RemedyKind.REQUEUE
+    # requeued as the watchdog does it: the trainer resumes from the newest checkpoint
+    sub2 = launcher.submit(slurm, replace(plan, attempt=2, resume_step=None))
     done = wait_for(slurm, sub2.job_id, lambda s: s.state.terminal, timeout_s=90)
     logs = job_logs(slurm, sub2.job_id, plan.log_dir)
     assert done.state is JobState.COMPLETED, logs

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from supervisor import launcher
-from supervisor.slurm import JobState, tail, wait_for
+from supervisor.models import AttemptState
+from supervisor.slurm import JobState, NodeState, tail, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +28,7 @@ def test_two_nodes_two_tasks_train_to_completion(slurm, tmp_path, toy_spec, toy_
     # every rank saw the same world and the master came from the allocation's first node
     for rank in range(4):
         assert f"toy: rank {rank}/4 on " in logs
-    assert launcher.attempt_state(status) == "completed"
+    assert status.state.attempt_state is AttemptState.COMPLETED
 
 
 def test_drain_and_resume_a_node(slurm):
@@ -35,7 +36,8 @@ def test_drain_and_resume_a_node(slurm):
     slurm.drain(node, "nightwatch test")
     try:
         info = slurm.nodes()[node]
-        assert info.state.startswith("drain") and info.reason == "nightwatch test"
+        assert info.drained and info.reason == "nightwatch test"
     finally:
         slurm.resume_node(node)
-    assert slurm.nodes()[node].state.rstrip("*") in {"idle", "alloc", "mix"}
+    back = slurm.nodes()[node].state
+    assert back in {NodeState.IDLE, NodeState.ALLOCATED, NodeState.MIXED}

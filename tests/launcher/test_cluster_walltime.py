@@ -8,8 +8,9 @@ import pytest
 
 from supervisor import launcher
 from supervisor.slurm import JobState, wait_for
+from supervisor.watchdog.snapshot import FindingKind, RemedyKind
 
-from .cluster_helpers import job_logs, latest
+from .cluster_helpers import job_logs, latest, watchdog_remedy
 
 pytestmark = pytest.mark.integration
 
@@ -19,7 +20,7 @@ def test_run_longer_than_time_limit_chains_attempts(slurm, tmp_path, toy_spec, t
     # on a 30 s cycle and may warn early, so the warning lands 0–30 s into each attempt
     # (measured: 4, 19, 20, 27 s); the run needs 35 s of sleep-dominated steps (35 × 1 s), so
     # no single attempt can finish it. Driven the way the reconciler drives it: submit, poll,
-    # ask `continuation`, resubmit.
+    # ask the detectors and the policy, resubmit on REQUEUE.
     spec = toy_spec("walltime", steps=35, interval=1000, time_limit=1)
     plan = toy_plan(tmp_path, spec, signal_delay_s=50)
     plan = replace(plan, env={**plan.env, "TOY_STEP_SECONDS": "1.0"})
@@ -28,16 +29,17 @@ def test_run_longer_than_time_limit_chains_attempts(slurm, tmp_path, toy_spec, t
         sub = launcher.submit(slurm, replace(plan, attempt=attempt))
         status = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=120)
         step = latest(plan.checkpoint_dir)
-        outcomes.append((launcher.attempt_state(status), step))
-        nxt = launcher.continuation(status, step, spec.training.train_steps)
-        assert nxt.next is not launcher.Next.NOT_MINE, job_logs(slurm, sub.job_id, plan.log_dir)
-        if nxt.next is launcher.Next.DONE:
+        remedy = watchdog_remedy(status, spec, step)
+        outcomes.append((remedy.finding.kind if remedy.finding else status.state, step))
+        if remedy.kind is RemedyKind.NONE:
             break
+        assert remedy.kind is RemedyKind.REQUEUE, job_logs(slurm, sub.job_id, plan.log_dir)
     assert status.state is JobState.COMPLETED, outcomes
-    assert outcomes[-1] == ("completed", 35), outcomes
+    assert outcomes[-1] == (JobState.COMPLETED, 35), outcomes
     # every stop before the last was the time limit (checkpointed); nothing went backwards
     assert len(outcomes) >= 2, outcomes
     # (TIMEOUT when the warning and the limit came in the same slurmctld cycle)
-    assert all(state in ("preempted", "timeout") for state, _ in outcomes[:-1]), outcomes
+    stops = (FindingKind.JOB_PREEMPTED, FindingKind.JOB_TIMEOUT)
+    assert all(kind in stops for kind, _ in outcomes[:-1]), outcomes
     steps = [step for _, step in outcomes]
     assert steps == sorted(steps) and 0 < steps[-2] < 35, outcomes

@@ -1,4 +1,4 @@
-"""Pure launcher decisions: request from a plan, attempt states, walltime continuation."""
+"""Pure launcher decisions: the request, the task and its environment from a plan."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import pytest
 
 from contracts.spec import RunSpec
 from supervisor import launcher
-from supervisor.launcher import Next, SubmitPlan
-from supervisor.models import AttemptState
-from supervisor.slurm import JobState, JobStatus
+from supervisor.launcher import SubmitPlan
 
 
 @pytest.fixture
@@ -92,55 +90,3 @@ def test_training_task_carries_the_attempt_and_pickles(plan):
     assert (clone.resume_step, clone.skip_ranges, clone.attempt) == (40, ((100, 200),), 3)
     assert RunSpec.model_validate_json(clone.spec_json) == plan.spec
     assert not hasattr(task, "checkpoint")  # submitit must not requeue on its own
-
-
-def status(state: JobState, code: int | None = 0) -> JobStatus:
-    return JobStatus(job_id="7", state=state, exit_code=code)
-
-
-@pytest.mark.parametrize(
-    ("st", "expected"),
-    [
-        (status(JobState.PENDING), "submitted"),
-        (status(JobState.RUNNING), "running"),
-        (status(JobState.COMPLETED), "completed"),
-        (status(JobState.FAILED, 1), "failed"),
-        (status(JobState.FAILED, 75), "preempted"),
-        (status(JobState.FAILED, 76), "failed"),
-        (status(JobState.NODE_FAIL), "node_fail"),
-        (status(JobState.TIMEOUT), "timeout"),
-        (status(JobState.OUT_OF_MEMORY), "out_of_memory"),
-        (status(JobState.UNKNOWN), None),
-    ],
-)
-def test_attempt_state(st, expected):
-    assert launcher.attempt_state(st) == expected
-
-
-def test_every_slurm_state_maps_to_a_model_attempt_state():
-    for state in JobState:
-        mapped = launcher.attempt_state(status(state))
-        assert mapped is None if state is JobState.UNKNOWN else AttemptState(mapped)
-
-
-@pytest.mark.parametrize(
-    ("st", "ckpt", "expected"),
-    [
-        (status(JobState.RUNNING), 10, Next.WAIT),
-        (status(JobState.UNKNOWN), 10, Next.WAIT),
-        (status(JobState.TIMEOUT), 40, Next.CONTINUE),
-        (status(JobState.FAILED, 75), 40, Next.CONTINUE),
-        (status(JobState.PREEMPTED), None, Next.CONTINUE),
-        (status(JobState.COMPLETED), 50, Next.CONTINUE),  # stop_at_step short of the target
-        (status(JobState.COMPLETED), 100, Next.DONE),
-        (status(JobState.TIMEOUT), 100, Next.DONE),  # the final checkpoint landed in time
-        (status(JobState.FAILED, 76), 40, Next.NOT_MINE),
-        (status(JobState.NODE_FAIL), 40, Next.NOT_MINE),
-        (status(JobState.CANCELLED), 40, Next.NOT_MINE),
-    ],
-)
-def test_continuation(st, ckpt, expected):
-    result = launcher.continuation(st, ckpt, train_steps=100)
-    assert result.next is expected
-    if expected is Next.CONTINUE:
-        assert result.resume_step == ckpt

@@ -22,8 +22,9 @@ from supervisor.slurm import (
     make_cluster,
     wait_for,
 )
+from supervisor.watchdog.snapshot import RemedyKind
 
-from .cluster_helpers import job_logs, latest, wait_until
+from .cluster_helpers import job_logs, latest, wait_until, watchdog_remedy
 
 
 def test_no_controller_means_local(tmp_path, monkeypatch):
@@ -51,7 +52,7 @@ def test_local_run_trains_and_stops_on_signal(tmp_path, toy_spec, toy_plan):
     assert 0 < latest(plan.checkpoint_dir) < 200
     assert "rank 1/2" in logs
     assert done.state is JobState.FAILED and done.exit_code == 75, done
-    assert launcher.attempt_state(done) == "preempted"
+    assert watchdog_remedy(done, plan.spec, latest(plan.checkpoint_dir)).kind is RemedyKind.REQUEUE
 
 
 def test_a_crashed_rank_ends_its_job_though_teardown_would_hang(tmp_path, toy_spec, toy_plan):

@@ -6,21 +6,26 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.models import AttemptState
 from supervisor.slurm import (
     JobRequest,
     JobState,
     NodeInfo,
+    NodeState,
     SlurmCluster,
     SourceUnavailable,
+    render_sbatch,
+    sbatch_parameters,
+)
+from supervisor.slurm.local import task_exit_code
+from supervisor.slurm.parse import (
     expand_hostlist,
     parse_live_jobs,
+    parse_node_state,
     parse_sacct,
     parse_sinfo,
     parse_squeue,
     parse_state,
-    render_sbatch,
-    sbatch_parameters,
-    task_exit_code,
     with_failed_nodes,
 )
 
@@ -61,6 +66,34 @@ def test_terminal_and_active_states():
     assert not JobState.UNKNOWN.terminal and not JobState.UNKNOWN.active
     assert JobState.PENDING.active and JobState.REQUEUED.active
     assert all(s.terminal for s in (JobState.NODE_FAIL, JobState.TIMEOUT, JobState.COMPLETED))
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        (JobState.PENDING, AttemptState.SUBMITTED),
+        (JobState.REQUEUED, AttemptState.SUBMITTED),
+        (JobState.RUNNING, AttemptState.RUNNING),
+        (JobState.COMPLETED, AttemptState.COMPLETED),
+        (JobState.FAILED, AttemptState.FAILED),
+        (JobState.CANCELLED, AttemptState.CANCELLED),
+        (JobState.NODE_FAIL, AttemptState.NODE_FAIL),
+        (JobState.BOOT_FAIL, AttemptState.NODE_FAIL),
+        (JobState.PREEMPTED, AttemptState.PREEMPTED),
+        (JobState.TIMEOUT, AttemptState.TIMEOUT),
+        (JobState.DEADLINE, AttemptState.TIMEOUT),
+        (JobState.OUT_OF_MEMORY, AttemptState.OUT_OF_MEMORY),
+        (JobState.UNKNOWN, None),
+    ],
+)
+def test_each_slurm_state_means_one_attempt_state(state, expected):
+    """The one translation of SLURM's words; UNKNOWN changes nothing (the list covers every
+    state, so a new one must be given its meaning here)."""
+    assert state.attempt_state is expected
+
+
+def test_every_slurm_state_but_unknown_has_an_attempt_state():
+    assert [s for s in JobState if s.attempt_state is None] == [JobState.UNKNOWN]
 
 
 # Captured from the local cluster: sacct -X -P -n -o JobIDRaw,State,ExitCode,NodeList,Reason
@@ -159,7 +192,31 @@ def test_failed_nodes_are_the_jobs_nodes_now_down():
     marked = with_failed_nodes(jobs, nodes)
     assert marked["41"].failed_nodes == ("n2",)
     assert marked["42"].failed_nodes == ()  # not a NODE_FAIL: no blame
-    assert NodeInfo("n9", "drain").down is False
+    drained = NodeInfo("n9", NodeState.DRAINED)
+    assert drained.down is False and drained.drained and not drained.usable
+
+
+@pytest.mark.parametrize(
+    ("text", "state", "flags", "down", "usable"),
+    [
+        ("idle", NodeState.IDLE, "", False, True),
+        ("mix", NodeState.MIXED, "", False, True),
+        ("alloc*", NodeState.ALLOCATED, "*", True, False),
+        ("down*", NodeState.DOWN, "*", True, False),
+        ("fail", NodeState.FAIL, "", True, False),
+        ("failg", NodeState.FAILING, "", True, False),
+        ("drain", NodeState.DRAINED, "", False, False),
+        ("drng", NodeState.DRAINING, "", False, False),
+        ("idle~", NodeState.IDLE, "~", False, True),
+        ("pow_dn", NodeState.POWERING_DOWN, "", False, True),
+        ("npc", NodeState.UNKNOWN, "", False, True),
+    ],
+)
+def test_node_states_from_sinfo(text, state, flags, down, usable):
+    assert parse_node_state(text) == (state, flags)
+    node = NodeInfo("n1", state, flags=flags)
+    assert (node.down, node.usable) == (down, usable)
+    assert node.idle is (text == "idle")
 
 
 def test_sbatch_parameters():

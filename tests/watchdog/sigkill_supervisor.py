@@ -40,7 +40,7 @@ from sqlalchemy import select
 from supervisor import store
 from supervisor.db import Database
 from supervisor.models import Action, ActionState, RunState
-from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, Submission
+from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, NodeState, Submission
 from supervisor.watchdog import outbox
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
@@ -87,6 +87,9 @@ class FileCluster:
         with self._state() as st:
             return [j for j, v in st["jobs"].items() if v["name"] == job_name]
 
+    def finish_submission(self, job_id: str, log_dir: Path) -> bool:
+        return False
+
     def live_jobs(self, prefix: str) -> dict[str, str]:
         with self._state() as st:
             return {
@@ -131,7 +134,7 @@ class FileCluster:
     def resume_node(self, node: str) -> None: ...
 
     def nodes(self) -> dict[str, NodeInfo]:
-        return {"n1": NodeInfo("n1", "idle")}
+        return {"n1": NodeInfo("n1", NodeState.IDLE)}
 
     def log_files(self, job_id: str, log_dir: Path | None = None) -> list[Path]:
         return []

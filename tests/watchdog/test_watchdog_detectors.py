@@ -9,6 +9,7 @@ import pytest
 from watchdog_curves import GLOBAL_BATCH, Faults, simulate, snapshot
 
 from contracts.spec import RecoverySpec
+from supervisor.models import AttemptState
 from supervisor.watchdog.detectors import (
     by_step,
     classify_failure,
@@ -31,7 +32,6 @@ from supervisor.watchdog.snapshot import (
     Cause,
     CheckpointRef,
     FindingKind,
-    JobState,
     MetricSample,
     MetricsView,
     RunHistory,
@@ -313,7 +313,7 @@ def test_hang_needs_a_running_job(rc: RecoverySpec) -> None:
     samples = simulate(7, steps=300, faults=Faults(hang_at=50))
     now = samples[-1].t + 0.5
     assert detect_hang(snapshot(samples, now=now), rc) != []
-    assert detect_hang(snapshot(samples, now=now, job_state=JobState.PENDING), rc) == []
+    assert detect_hang(snapshot(samples, now=now, job_state=AttemptState.SUBMITTED), rc) == []
     assert detect_hang(snapshot(samples, now=now, job_health=SourceHealth.DOWN), rc) == []
     # COMPLETING: SLURM is ending the job (a node it set DOWN is already gone from its node
     # list, so a dark node there would go unnamed); the final state is the finding.
@@ -355,15 +355,15 @@ def test_unknown_metrics_never_convict(rc: RecoverySpec, health: SourceHealth) -
 @pytest.mark.parametrize(
     ("state", "kind", "cause"),
     [
-        (JobState.NODE_FAIL, FindingKind.JOB_NODE_FAIL, Cause.NODE),
-        (JobState.PREEMPTED, FindingKind.JOB_PREEMPTED, Cause.INFRA),
-        (JobState.TIMEOUT, FindingKind.JOB_TIMEOUT, Cause.INFRA),
-        (JobState.OUT_OF_MEMORY, FindingKind.JOB_OOM, Cause.CODE),
-        (JobState.LOST, FindingKind.JOB_LOST, Cause.UNKNOWN),
-        (JobState.CANCELLED, FindingKind.JOB_CANCELLED, Cause.UNKNOWN),
+        (AttemptState.NODE_FAIL, FindingKind.JOB_NODE_FAIL, Cause.NODE),
+        (AttemptState.PREEMPTED, FindingKind.JOB_PREEMPTED, Cause.INFRA),
+        (AttemptState.TIMEOUT, FindingKind.JOB_TIMEOUT, Cause.INFRA),
+        (AttemptState.OUT_OF_MEMORY, FindingKind.JOB_OOM, Cause.CODE),
+        (AttemptState.LOST, FindingKind.JOB_LOST, Cause.UNKNOWN),
+        (AttemptState.CANCELLED, FindingKind.JOB_CANCELLED, Cause.UNKNOWN),
     ],
 )
-def test_job_states(rc: RecoverySpec, state: JobState, kind: FindingKind, cause: Cause) -> None:
+def test_job_states(rc: RecoverySpec, state: AttemptState, kind: FindingKind, cause: Cause) -> None:
     (f,) = detect_job_state(snapshot([], job_state=state, failed_nodes=("n2",)), rc)
     assert (f.kind, f.cause) == (kind, cause)
     assert f.nodes == ("n2",)
@@ -372,21 +372,22 @@ def test_job_states(rc: RecoverySpec, state: JobState, kind: FindingKind, cause:
 
 def test_a_gpu_job_without_gpus_is_a_configuration_fault_not_a_crash(rc: RecoverySpec) -> None:
     reason = "no GPU: node n1 sees 0 of the 2 GPUs this job needs"
-    snap = snapshot([], job_state=JobState.FAILED, exit_code=78, reason=reason)
+    snap = snapshot([], job_state=AttemptState.FAILED, exit_code=78, reason=reason)
     (f,) = detect_job_state(snap, rc)
     assert (f.kind, f.cause) == (FindingKind.JOB_NO_GPU, Cause.CODE)
     assert "exit 78" in f.summary and reason in f.summary
-    other = detect_job_state(snapshot([], job_state=JobState.FAILED, exit_code=1), rc)
+    other = detect_job_state(snapshot([], job_state=AttemptState.FAILED, exit_code=1), rc)
     assert [g.kind for g in other] == [FindingKind.JOB_FAILED]
 
 
 def test_completed_job_before_target_continues_and_at_target_is_quiet(rc: RecoverySpec) -> None:
-    early = snapshot([], job_state=JobState.COMPLETED, disk_checkpoint_step=500, target_steps=1000)
+    completed = AttemptState.COMPLETED
+    early = snapshot([], job_state=completed, disk_checkpoint_step=500, target_steps=1000)
     (f,) = detect_job_state(early, rc)
     assert f.kind is FindingKind.JOB_ENDED_EARLY and f.last_healthy_step == 500
-    done = snapshot([], job_state=JobState.COMPLETED, disk_checkpoint_step=1000, target_steps=1000)
+    done = snapshot([], job_state=completed, disk_checkpoint_step=1000, target_steps=1000)
     assert detect_job_state(done, rc) == []
-    running = snapshot([], job_state=JobState.RUNNING)
+    running = snapshot([], job_state=AttemptState.RUNNING)
     assert detect_job_state(running, rc) == []
 
 
@@ -440,7 +441,7 @@ def test_startup_hang_after_ten_floors_without_a_first_step(rc: RecoverySpec) ->
     assert detect_startup_hang(progressed, rc) == []
     blind = snapshot([], health=SourceHealth.DOWN, now=started + limit + 1)
     assert detect_startup_hang(dataclasses.replace(blind, attempt_started_at=started), rc) == []
-    pending = snapshot([], health=SourceHealth.MISSING, job_state=JobState.PENDING)
+    pending = snapshot([], health=SourceHealth.MISSING, job_state=AttemptState.SUBMITTED)
     assert detect_startup_hang(dataclasses.replace(pending, attempt_started_at=0.0), rc) == []
 
 

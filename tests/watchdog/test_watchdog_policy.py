@@ -8,13 +8,15 @@ import pytest
 from watchdog_curves import GLOBAL_BATCH, snapshot
 
 from contracts.spec import RecoverySpec
+from supervisor.models import AttemptState
+from supervisor.slurm import JobState
+from supervisor.watchdog.detectors import detect_all
 from supervisor.watchdog.policy import decide, rollback_target
 from supervisor.watchdog.snapshot import (
     Cause,
     CheckpointRef,
     Finding,
     FindingKind,
-    JobState,
     MetricSample,
     PastRemedy,
     RemedyKind,
@@ -283,7 +285,7 @@ def test_exclusion_budget_escalates(rc: RecoverySpec) -> None:
     fail = Finding(
         kind=FindingKind.JOB_NODE_FAIL, summary="node fail", cause=Cause.NODE, nodes=("n2",)
     )
-    ok = decide(snap_at(10, job_state=JobState.NODE_FAIL), [fail], RunHistory(), rc)
+    ok = decide(snap_at(10, job_state=AttemptState.NODE_FAIL), [fail], RunHistory(), rc)
     assert ok.kind is RemedyKind.EXCLUDE_NODE and ok.exclude_nodes == ("n2",)
     full = RunHistory(excluded_nodes=frozenset({"n7", "n8"}))
     r = decide(snap_at(10), [fail], full, rc)
@@ -540,3 +542,43 @@ def test_nan_pinned_again_on_another_node_at_the_same_data_is_the_data(
     assert r.kind is RemedyKind.ROLLBACK and r.skip_ranges and r.to_step == 200
     later = dataclasses.replace(nan_at(400, 405), cause=Cause.NODE, nodes=("n2",))
     assert decide(snap_at(406), [later], hist, rc).kind is RemedyKind.EXCLUDE_NODE
+
+
+@pytest.mark.parametrize(
+    ("slurm", "exit_code", "disk_step", "kind"),
+    [
+        (JobState.RUNNING, None, 10, RemedyKind.NONE),
+        (JobState.TIMEOUT, None, 40, RemedyKind.REQUEUE),
+        (JobState.DEADLINE, None, 40, RemedyKind.REQUEUE),
+        (JobState.FAILED, 75, 40, RemedyKind.REQUEUE),  # checkpointed on a stop signal
+        (JobState.PREEMPTED, None, None, RemedyKind.REQUEUE),
+        (JobState.COMPLETED, 0, 50, RemedyKind.REQUEUE),  # stop_at_step short of the target
+        (JobState.COMPLETED, 0, 100, RemedyKind.NONE),  # done: the reconciler completes the run
+        (JobState.FAILED, 76, 40, RemedyKind.RESTART),
+        (JobState.BOOT_FAIL, None, 40, RemedyKind.EXCLUDE_NODE),
+        (JobState.NODE_FAIL, None, 40, RemedyKind.EXCLUDE_NODE),
+        (JobState.CANCELLED, None, 40, RemedyKind.ESCALATE),
+    ],
+)
+def test_an_ended_job_continues_only_after_a_checkpointed_stop(
+    rc: RecoverySpec,
+    slurm: JobState,
+    exit_code: int | None,
+    disk_step: int | None,
+    kind: RemedyKind,
+) -> None:
+    """Walltime chaining: a time limit, a preemption, exit 75 or a clean stop short of the
+    target continue as a new attempt from the newest checkpoint (REQUEUE); the target reached
+    needs nothing; a failure is the policy's to cure, never a plain continuation."""
+    snap = snapshot(
+        [],
+        job_state=slurm.attempt_state,
+        exit_code=exit_code,
+        failed_nodes=("n2",),
+        disk_checkpoint_step=disk_step,
+        target_steps=100,
+    )
+    remedy = decide(snap, detect_all(snap, rc), RunHistory(), rc)
+    assert remedy.kind is kind, remedy
+    if kind is RemedyKind.REQUEUE:
+        assert remedy.to_step is None  # the trainer resumes from its newest checkpoint

@@ -12,6 +12,7 @@ import pytest
 from prom_harness import Exporter, PrometheusServer
 
 from contracts.spec import RecoverySpec
+from supervisor.models import AttemptState
 from supervisor.prometheus import (
     DARK_AFTER_S,
     QUERIED_FIELDS,
@@ -29,7 +30,6 @@ from supervisor.watchdog.policy import decide
 from supervisor.watchdog.snapshot import (
     Cause,
     FindingKind,
-    JobState,
     JobView,
     MetricSample,
     MetricsView,
@@ -121,7 +121,7 @@ def prometheus(tmp_path: Path, exporters: tuple[Exporter, Exporter]) -> Iterator
 
 
 def _snapshot(key: tuple[str, int], view, now: float) -> Snapshot:  # type: ignore[no-untyped-def]
-    job = JobView(health=SourceHealth.UP, state=JobState.RUNNING, nodes=("n1", "n2"))
+    job = JobView(health=SourceHealth.UP, state=AttemptState.RUNNING, nodes=("n1", "n2"))
     return Snapshot(key[0], key[1], now, view, job, global_batch_size=8)
 
 
@@ -405,7 +405,7 @@ def test_reconciler_with_prometheus_stopped_takes_no_remedy(
     from supervisor import store
     from supervisor.db import Database
     from supervisor.models import Action, RunState
-    from supervisor.slurm import JobState as SlurmState
+    from supervisor.slurm import JobState
     from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 
     db = Database(f"sqlite:///{tmp_path / 'nw.db'}")
@@ -422,7 +422,7 @@ def test_reconciler_with_prometheus_stopped_takes_no_remedy(
         registry=CollectorRegistry(),
     )
     rec.tick()
-    cluster.set(cluster.submitted[-1][0], SlurmState.RUNNING)
+    cluster.set(cluster.submitted[-1][0], JobState.RUNNING)
     with FakeTrainer(*exporters, dt=0.1, run_id=run.id):
         prometheus.wait_for_series(f'nightwatch_train_step{{run_id="{run.id}"}}', count=2)
         ups = []

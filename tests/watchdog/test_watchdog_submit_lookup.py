@@ -13,6 +13,9 @@ class _Finder:
     def find_jobs(self, job_name: str) -> list[str]:
         return ["99", "100"]
 
+    def finish_submission(self, job_id: str, log_dir: Path) -> bool:
+        return False
+
 
 def test_newest_job_wins_across_digit_counts(tmp_path: Path) -> None:
     actuator = Actuator(None, _Finder(), ActuatorConfig(home=tmp_path), None)  # type: ignore[arg-type]

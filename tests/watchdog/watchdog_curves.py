@@ -12,9 +12,9 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from supervisor.models import AttemptState
 from supervisor.watchdog.snapshot import (
     METRIC_WINDOW_STEPS,
-    JobState,
     JobView,
     MetricSample,
     MetricsView,
@@ -142,7 +142,7 @@ def snapshot(
     *,
     now: float | None = None,
     health: SourceHealth = SourceHealth.UP,
-    job_state: JobState = JobState.RUNNING,
+    job_state: AttemptState | None = AttemptState.RUNNING,
     job_health: SourceHealth = SourceHealth.UP,
     nodes: tuple[str, ...] = ("n1", "n2", "n3"),
     exit_code: int | None = None,

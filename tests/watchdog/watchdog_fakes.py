@@ -20,6 +20,7 @@ from supervisor.slurm import (
     JobState,
     JobStatus,
     NodeInfo,
+    NodeState,
     SourceUnavailable,
     Submission,
 )
@@ -76,6 +77,9 @@ class FakeCluster:
     def find_jobs(self, job_name: str) -> list[str]:
         return [j for j, r in self.submitted if r.job_name == job_name]
 
+    def finish_submission(self, job_id: str, log_dir: Path) -> bool:
+        return False
+
     def live_jobs(self, prefix: str) -> dict[str, str]:
         return {
             j: r.job_name
@@ -112,7 +116,7 @@ class FakeCluster:
         raise NotImplementedError
 
     def nodes(self) -> dict[str, NodeInfo]:
-        return {n: NodeInfo(n, "idle") for n in self.nodes_per_job}
+        return {n: NodeInfo(n, NodeState.IDLE) for n in self.nodes_per_job}
 
     def log_files(self, job_id: str, log_dir: Path | None = None) -> list[Path]:
         return []

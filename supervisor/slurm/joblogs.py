@@ -1,7 +1,7 @@
 """Pure classification of a job's log text: what ended it, and which host it names.
 
-Why separate from reading: the supervisor tails logs at the edge (`supervisor.slurm.tail`), and
-this module turns captured text into findings, so every pattern is tested on recorded logs
+Why separate from reading: the supervisor tails logs at the edge (`supervisor.slurm.files`),
+and this module turns captured text into findings, so every pattern is tested on recorded logs
 without SLURM. The classes are evidence for the policy (a gloo/NCCL error naming a peer
 suggests that node; an OOM suggests a smaller micro-batch, not a node swap).
 """
