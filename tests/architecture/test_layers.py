@@ -20,7 +20,7 @@ OUR_PACKAGES = ("contracts", "worker", "megatron_runs", "supervisor")
 #: `supervisor` (its first dotted component after `supervisor.`).
 SUPERVISOR_FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"models", "db", "settings", "auth", "metrics", "roots", "layout"}),
-    frozenset({"store", "slurm", "joblog", "metrics_in", "prometheus", "launcher"}),
+    frozenset({"store", "slurm", "metrics_in", "prometheus", "launcher"}),
     frozenset({"watchdog", "report", "report_plot", "preview", "service"}),
     frozenset({"api"}),
     frozenset({"cli"}),
