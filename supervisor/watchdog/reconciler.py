@@ -145,6 +145,7 @@ class Reconciler:
             ),
             self.notifier,
             self.lease,
+            clock=lambda: self.clock(),
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

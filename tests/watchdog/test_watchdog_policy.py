@@ -8,7 +8,13 @@ import pytest
 from watchdog_curves import GLOBAL_BATCH, snapshot
 
 from contracts.spec import RecoverySpec
-from supervisor.watchdog.policy import decide, rollback_target
+from supervisor.watchdog.policy import (
+    budget_left,
+    decide,
+    first_submit,
+    resume_point,
+    rollback_target,
+)
 from supervisor.watchdog.snapshot import (
     Cause,
     CheckpointRef,
@@ -17,6 +23,7 @@ from supervisor.watchdog.snapshot import (
     JobState,
     MetricSample,
     PastRemedy,
+    Remedy,
     RemedyKind,
     RunHistory,
     SourceHealth,
@@ -540,3 +547,32 @@ def test_nan_pinned_again_on_another_node_at_the_same_data_is_the_data(
     assert r.kind is RemedyKind.ROLLBACK and r.skip_ranges and r.to_step == 200
     later = dataclasses.replace(nan_at(400, 405), cause=Cause.NODE, nodes=("n2",))
     assert decide(snap_at(406), [later], hist, rc).kind is RemedyKind.EXCLUDE_NODE
+
+
+def test_a_failed_first_submission_backs_off_then_resubmits_then_escalates(
+    rc: RecoverySpec,
+) -> None:
+    """Every attempt of a pending run is a failed submission: retried after a backoff that
+    doubles, until the restart budget is spent; then a person decides."""
+    assert first_submit(1, "sbatch: error", 100.0, 105.0, rc).kind is RemedyKind.NONE
+    assert first_submit(1, "sbatch: error", 100.0, 110.0, rc).kind is RemedyKind.RESTART
+    assert first_submit(2, "sbatch: error", 100.0, 115.0, rc).kind is RemedyKind.NONE
+    assert first_submit(2, "sbatch: error", 100.0, 120.0, rc).kind is RemedyKind.RESTART
+    escalate = first_submit(rc.max_restarts, "sbatch: error", 100.0, 1e9, rc)
+    assert escalate.kind is RemedyKind.ESCALATE and "sbatch: error" in escalate.reason
+
+
+def test_after_a_rollback_every_resubmission_names_its_checkpoint(rc: RecoverySpec) -> None:
+    restart = Remedy(RemedyKind.RESTART, "hang")
+    assert resume_point(restart, None, 40).to_step is None
+    assert resume_point(restart, 20, 40).to_step == 40
+    assert resume_point(restart, 20, None).to_step == 0
+    assert resume_point(Remedy(RemedyKind.OBSERVE, "slow"), 20, 40).to_step is None
+
+
+def test_budget_left_counts_the_remedy_being_applied(rc: RecoverySpec) -> None:
+    history = RunHistory()
+    assert budget_left(history, rc, 0.0, 10, Remedy(RemedyKind.RESTART, "x")) == (
+        rc.max_restarts - 1
+    )
+    assert budget_left(history, rc, 0.0, 10, Remedy(RemedyKind.OBSERVE, "x")) == rc.max_restarts
