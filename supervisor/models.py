@@ -230,6 +230,9 @@ class Attempt(Base):
     resume_step: Mapped[int | None] = mapped_column(BigInteger)
     skip_ranges_json: Mapped[list[Any]] = mapped_column(default=list)
     exclude_json: Mapped[list[Any]] = mapped_column(default=list)
+    first_step_s: Mapped[float | None] = mapped_column(
+        Float, doc="Start to first step (s): the run's slowest sets its start-up hang limit."
+    )
 
 
 class Checkpoint(Base):

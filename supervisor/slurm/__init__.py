@@ -4,7 +4,8 @@ scancel), and its one-node stand-in.
 `types` holds the words every backend shares (the `Cluster` protocol, job and node states,
 requests and answers); `parse` the pure parsers of SLURM's text; `cli` the `SlurmCluster`;
 `local` the `LocalCluster` over submitit's LocalExecutor; `files` a job's folder and logs;
-`joblogs` the pure classification of log text; `connect` the choice between the two backends.
+`connect` the choice between the two backends (log text → cause lives in
+`supervisor.watchdog.blame`).
 The names below are the package's API.
 """
 

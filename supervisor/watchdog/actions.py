@@ -19,7 +19,8 @@ import contextlib
 import enum
 import logging
 import re
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -151,12 +152,17 @@ class Actuator:
         config: ActuatorConfig,
         notifier: Notifier,
         lease: LeaseGuard | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.db = db
         self.cluster = cluster
         self.config = config
         self.notifier = notifier
         self.lease = lease  # None: a lone actuator (scripts, unit tests) fences nothing
+        self.clock = clock  # the reconciler's: attempts end at the tick's time
+
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock(), UTC)
 
     @contextlib.contextmanager
     def _side_effect(self) -> Iterator[None]:
@@ -270,7 +276,7 @@ class Actuator:
                         number,
                         state=AttemptState.FAILED,
                         end_reason=f"submit failed: {exc}",
-                        ended_at=datetime.now(UTC),
+                        ended_at=self._now(),
                     )
                 self._finish(key, False, {"error": str(exc)})
                 log.warning(f"submit failed: {exc}", extra=_ctx(run_id, number))
@@ -420,7 +426,7 @@ class Actuator:
         with self.db.write_session() as s:
             attempt = _attempt(s, ctx.run_id, ctx.attempt)
             if attempt is not None and attempt.ended_at is None:
-                fields: dict[str, Any] = {"ended_at": datetime.now(UTC)}
+                fields: dict[str, Any] = {"ended_at": self._now()}
                 if ctx.job_active:
                     fields.update(state=AttemptState.CANCELLED, end_reason="cancelled by watchdog")
                 store.update_attempt(s, ctx.run_id, ctx.attempt, **fields)
@@ -458,7 +464,7 @@ class Actuator:
                     s,
                     run_id,
                     attempt,
-                    ended_at=datetime.now(UTC),
+                    ended_at=self._now(),
                     state=AttemptState.CANCELLED,
                     end_reason="cancelled by user",
                 )

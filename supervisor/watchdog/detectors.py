@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import re
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 from contracts import exitcodes
 from contracts.spec import RecoverySpec
 from supervisor.models import AttemptState
+from supervisor.watchdog.blame import classify_failure
 from supervisor.watchdog.snapshot import (
     DARK_AFTER_S,
     METRIC_WINDOW_STEPS,
@@ -757,30 +757,6 @@ def detect_checkpoint_problems(snap: Snapshot, rc: RecoverySpec) -> list[Finding
 
 
 # --- SLURM ------------------------------------------------------------------------------------
-
-_NODE_PATTERNS = re.compile(
-    r"NCCL|CUDA error|ECC|Xid|uncorrectable|illegal memory access|bus error|"
-    r"segmentation fault|hardware|device-side assert|connection reset",
-    re.IGNORECASE,
-)
-_CODE_PATTERNS = re.compile(
-    r"SyntaxError|ImportError|ModuleNotFoundError|NameError|AttributeError|TypeError|"
-    r"KeyError|ValidationError|FileNotFoundError|AssertionError",
-)
-
-
-
-def classify_failure(exit_code: int | None, reason: str | None) -> Cause:
-    """Blame a FAILED job from its exit code and log excerpt; unknown stays unknown."""
-    if exit_code == exitcodes.REQUEUE:
-        return Cause.INFRA
-    text = reason or ""
-    if _NODE_PATTERNS.search(text):
-        return Cause.NODE
-    if _CODE_PATTERNS.search(text):
-        return Cause.CODE
-    return Cause.UNKNOWN
-
 
 _JOB_FINDINGS: dict[AttemptState, tuple[FindingKind, Cause]] = {
     AttemptState.NODE_FAIL: (FindingKind.JOB_NODE_FAIL, Cause.NODE),

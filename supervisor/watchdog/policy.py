@@ -15,7 +15,8 @@ The ladder for a fault that keeps coming back, per fault family:
 Budgets: restarts per window that did not hold (restart storm: the run needed another remedy
 within `restart_held_steps`; failed resubmissions count, and back off),
 excluded nodes per run, no progress across remedies; exhausted → ESCALATE. Sources that are
-down never lead to a destructive remedy.
+down never lead to a destructive remedy. A first submission that fails is retried after a
+backoff while the restart budget lasts (`first_submit`).
 """
 
 from __future__ import annotations
@@ -108,8 +109,25 @@ def _not_held(history: RunHistory, rc: RecoverySpec, step: int | None) -> list[P
 
 
 def restarts_in_window(history: RunHistory, rc: RecoverySpec, now: float, step: int | None) -> int:
-    """Restarts counted against the budget in the current window (for the budget gauge)."""
+    """Restarts counted against the budget in the current window."""
     return len(_storm_restarts(history, rc, now, step))
+
+
+def budget_left(
+    history: RunHistory, rc: RecoverySpec, now: float, step: int | None, remedy: Remedy
+) -> int:
+    """Restarts left in the window once `remedy` is applied (for the budget gauge)."""
+    used = restarts_in_window(history, rc, now, step) + int(remedy.kind.resubmits)
+    return max(0, rc.max_restarts - used)
+
+
+def resume_point(remedy: Remedy, resume_step: int | None, disk_step: int | None) -> Remedy:
+    """A run rolled back once resumes every later resubmission from a named checkpoint (the
+    newest trusted one, 0 when none): its newer checkpoints may hold state the rollback threw
+    away, so the trainer must not pick its own."""
+    if resume_step is not None and remedy.kind.resubmits and remedy.to_step is None:
+        return dataclasses.replace(remedy, to_step=disk_step or 0)
+    return remedy
 
 
 def _escalate(reason: str, finding: Finding | None, suspect: Cause = Cause.UNKNOWN) -> Remedy:
@@ -154,6 +172,26 @@ def submit_backoff(history: RunHistory, attempt: int) -> float | None:
             break
         failures += 1
     return backoff_seconds(failures)
+
+
+def first_submit(
+    failures: int, end_reason: str | None, failed_at: float | None, now: float, rc: RecoverySpec
+) -> Remedy:
+    """A pending run whose first submission failed `failures` times (every attempt of a pending
+    run is a failed submission, so its number counts them): RESTART (resubmit) once the backoff
+    has passed, NONE while it runs, ESCALATE when the restart budget is spent, because a
+    submission that always fails must not loop."""
+    if failures >= rc.max_restarts:
+        return _escalate(f"submission failed {failures} times: {end_reason}", None)
+    due = first_submit_due(failures, failed_at, now)
+    if now < due:
+        return Remedy(RemedyKind.NONE, f"submission failed; resubmitting in {due - now:.0f} s")
+    return Remedy(RemedyKind.RESTART, f"resubmit: {end_reason}")
+
+
+def first_submit_due(failures: int, failed_at: float | None, now: float) -> float:
+    """When the next try of a failed first submission is due (failed now when not recorded)."""
+    return (failed_at if failed_at is not None else now) + backoff_seconds(failures)
 
 
 def backoff_seconds(failures: int) -> float:

@@ -1,4 +1,5 @@
-"""The watchdog's `nightwatch_supervisor_*` metrics (docs/contracts.md), on an injected registry.
+"""The watchdog's `nightwatch_supervisor_*` metrics (docs/contracts.md), on an injected registry,
+and the one place the tick exports them from (`Telemetry`).
 
 `runs{state}` belongs to `supervisor.metrics.SupervisorMetrics` (the API's); the reconciler sets
 it through that object when given one, so both share one registry without double registration.
@@ -7,10 +8,26 @@ it through that object when given one, so both share one registry without double
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from sqlalchemy import func, select
 
-from supervisor.watchdog.snapshot import FindingKind, RemedyKind
+from supervisor import store
+from supervisor.db import Database
+from supervisor.metrics import SupervisorMetrics
+from supervisor.models import ACTIVE_RUN_STATES, Incident, Node, NodeHealth, Run, RunState
+from supervisor.watchdog import accounting
+from supervisor.watchdog.detectors import median_step_time
+from supervisor.watchdog.snapshot import (
+    CheckpointRef,
+    Finding,
+    FindingKind,
+    MetricsView,
+    Remedy,
+    RemedyKind,
+)
 
 NS = "nightwatch_supervisor"
 _LATENCY_BUCKETS = (0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800)
@@ -99,3 +116,132 @@ class WatchdogMetrics:
         for gauge in (self.run_ettr, self.run_budget_left, self.run_checkpoint_age):
             with contextlib.suppress(KeyError):
                 gauge.remove(run_id)
+
+
+#: Seconds between refreshes of a run's ETTR gauge, and how many runs one tick refreshes. Each
+#: refresh is three DB reads (`benchmarks/reconcile_scale.py`, 1,000 runs: 50 a tick gave a
+#: steady tick of 1.0-1.2 s against 0.84-0.95 s; 10 a tick, a runs phase of 0.13-0.15 s against
+#: 0.13-0.20 s, within noise), so a large fleet's refreshes are spread thin: 1,000 runs take
+#: 100 ticks to go round, a handful of runs refresh every 30 s.
+ETTR_REFRESH_S = 30.0
+ETTR_REFRESHES_PER_TICK = 10
+
+
+class Telemetry:
+    """Everything the tick exports, set from what the tick saw and did. Remembers only when
+    each run's ETTR gauge was last set (to spread refreshes over ticks), forgotten with the
+    run's series."""
+
+    def __init__(
+        self,
+        db: Database,
+        registry: CollectorRegistry,
+        supervisor_metrics: SupervisorMetrics | None = None,
+    ) -> None:
+        self.db = db
+        self.metrics = WatchdogMetrics(registry)
+        self.supervisor_metrics = supervisor_metrics
+        self._ettr_exported: dict[str, float] = {}  # run → when its ETTR gauge was last set
+        self._refreshes = 0
+
+    def tick_started(self) -> None:
+        self._refreshes = 0
+
+    def tick_ended(
+        self, duration_s: float, now: float, slurm_up: bool, source: str, metrics_up: bool
+    ) -> None:
+        m = self.metrics
+        m.tick_duration.observe(duration_s)
+        m.last_tick.set(now)
+        m.source_up.labels(source="slurm").set(1 if slurm_up else 0)
+        m.source_up.labels(source=source).set(1 if metrics_up else 0)
+        with self.db.session() as s:
+            excluded = s.scalar(
+                select(func.count()).select_from(Node).where(Node.health == NodeHealth.EXCLUDED)
+            )
+            m.excluded_nodes.set(excluded or 0)
+            watched = store.run_states(s, [*ACTIVE_RUN_STATES, RunState.NEEDS_ATTENTION])
+            m.set_needs_attention(
+                {run_id: state is RunState.NEEDS_ATTENTION for run_id, state in watched.items()}
+            )
+            if self.supervisor_metrics is not None:
+                self.supervisor_metrics.set_run_counts(store.count_runs_by_state(s))
+
+    @property
+    def ettr_refreshes(self) -> int:
+        return self._refreshes
+
+    def run_seen(
+        self, run_id: str, checkpoints: Sequence[CheckpointRef], view: MetricsView, now: float
+    ) -> None:
+        """A run still training: its checkpoint age, and its ETTR when its turn has come (a
+        healthy run's dashboard needs it too)."""
+        if checkpoints:
+            self.metrics.run_checkpoint_age.labels(run_id=run_id).set(
+                max(0.0, now - checkpoints[-1].saved_at)
+            )
+        if (
+            view.samples  # nothing to compute yet: no refresh slot taken
+            and self._refreshes < ETTR_REFRESHES_PER_TICK
+            and now - self._ettr_exported.get(run_id, -math.inf) >= ETTR_REFRESH_S
+        ):
+            self._refreshes += 1
+            self.ettr(run_id, view, now)
+
+    def incident_opened(self, finding: Finding, now: float) -> None:
+        self.metrics.incidents.labels(kind=finding.kind.value).inc()
+        fault_ts = finding.fault_time if finding.fault_time is not None else now
+        latency = accounting.detection_latency(fault_ts, now)
+        if latency is not None:
+            self.metrics.detection_latency.observe(latency)
+
+    def recovered(
+        self, run_id: str, fault_ts: float | None, recovered_t: float, view: MetricsView, now: float
+    ) -> None:
+        if fault_ts is not None:
+            self.metrics.mttr.observe(max(0.0, recovered_t - fault_ts))
+        self.ettr(run_id, view, now)
+
+    def remedied(
+        self, run_id: str, remedy: Remedy, applied: bool, budget_left: int, view: MetricsView,
+        now: float,
+    ) -> None:  # fmt: skip
+        if applied:
+            self.metrics.remedies.labels(kind=remedy.kind.value).inc()
+        self.metrics.run_budget_left.labels(run_id=run_id).set(budget_left)
+        self.ettr(run_id, view, now)
+
+    def keep_runs(self, run_ids: set[str]) -> None:
+        """Forget the refresh times of runs no longer watched (ended or deleted)."""
+        self._ettr_exported = {k: v for k, v in self._ettr_exported.items() if k in run_ids}
+
+    def run_finished(self, run_id: str) -> None:
+        self.metrics.forget_run(run_id)
+        self._ettr_exported.pop(run_id, None)
+
+    def ettr(self, run_id: str, view: MetricsView, now: float) -> None:
+        """ETTR gauge: steps reached come from the incidents (step before each fault), the
+        run's last step and the live gauge."""
+        with self.db.session() as s:
+            attempts = store.get_attempts(s, run_id)
+            evidence = s.scalars(
+                select(Incident.evidence_json).where(Incident.run_id == run_id)
+            ).all()
+            last_step = s.scalar(select(Run.last_step).where(Run.id == run_id))
+        starts = [a.started_at.timestamp() for a in attempts if a.started_at is not None]
+        first = min(attempts, key=lambda a: a.number, default=None)
+        reached = [
+            *((ev or {}).get("step") for ev in evidence),
+            last_step,
+            view.latest.step if view.latest is not None else None,
+        ]
+        ettr = accounting.run_ettr(
+            wall_s=now - min(starts) if starts else 0.0,
+            productive_steps=accounting.productive_steps(
+                first.resume_step if first is not None else None, reached
+            ),
+            mean_step_s=median_step_time(view.samples) if view.samples else None,
+        )
+        self._ettr_exported[run_id] = now  # unknown (no step time yet) waits its turn too
+        if ettr is not None:
+            self.metrics.run_ettr.labels(run_id=run_id).set(ettr)

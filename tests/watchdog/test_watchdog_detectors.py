@@ -10,9 +10,9 @@ from watchdog_curves import GLOBAL_BATCH, Faults, simulate, snapshot
 
 from contracts.spec import RecoverySpec
 from supervisor.models import AttemptState
+from supervisor.watchdog.blame import classify_failure
 from supervisor.watchdog.detectors import (
     by_step,
-    classify_failure,
     detect_all,
     detect_checkpoint_problems,
     detect_grad_explosion,

@@ -11,7 +11,13 @@ from contracts.spec import RecoverySpec
 from supervisor.models import AttemptState
 from supervisor.slurm import JobState
 from supervisor.watchdog.detectors import detect_all
-from supervisor.watchdog.policy import decide, rollback_target
+from supervisor.watchdog.policy import (
+    budget_left,
+    decide,
+    first_submit,
+    resume_point,
+    rollback_target,
+)
 from supervisor.watchdog.snapshot import (
     Cause,
     CheckpointRef,
@@ -19,6 +25,7 @@ from supervisor.watchdog.snapshot import (
     FindingKind,
     MetricSample,
     PastRemedy,
+    Remedy,
     RemedyKind,
     RunHistory,
     SourceHealth,
@@ -582,3 +589,32 @@ def test_an_ended_job_continues_only_after_a_checkpointed_stop(
     assert remedy.kind is kind, remedy
     if kind is RemedyKind.REQUEUE:
         assert remedy.to_step is None  # the trainer resumes from its newest checkpoint
+
+
+def test_a_failed_first_submission_backs_off_then_resubmits_then_escalates(
+    rc: RecoverySpec,
+) -> None:
+    """Every attempt of a pending run is a failed submission: retried after a backoff that
+    doubles, until the restart budget is spent; then a person decides."""
+    assert first_submit(1, "sbatch: error", 100.0, 105.0, rc).kind is RemedyKind.NONE
+    assert first_submit(1, "sbatch: error", 100.0, 110.0, rc).kind is RemedyKind.RESTART
+    assert first_submit(2, "sbatch: error", 100.0, 115.0, rc).kind is RemedyKind.NONE
+    assert first_submit(2, "sbatch: error", 100.0, 120.0, rc).kind is RemedyKind.RESTART
+    escalate = first_submit(rc.max_restarts, "sbatch: error", 100.0, 1e9, rc)
+    assert escalate.kind is RemedyKind.ESCALATE and "sbatch: error" in escalate.reason
+
+
+def test_after_a_rollback_every_resubmission_names_its_checkpoint(rc: RecoverySpec) -> None:
+    restart = Remedy(RemedyKind.RESTART, "hang")
+    assert resume_point(restart, None, 40).to_step is None
+    assert resume_point(restart, 20, 40).to_step == 40
+    assert resume_point(restart, 20, None).to_step == 0
+    assert resume_point(Remedy(RemedyKind.OBSERVE, "slow"), 20, 40).to_step is None
+
+
+def test_budget_left_counts_the_remedy_being_applied(rc: RecoverySpec) -> None:
+    history = RunHistory()
+    assert budget_left(history, rc, 0.0, 10, Remedy(RemedyKind.RESTART, "x")) == (
+        rc.max_restarts - 1
+    )
+    assert budget_left(history, rc, 0.0, 10, Remedy(RemedyKind.OBSERVE, "x")) == rc.max_restarts

@@ -33,7 +33,9 @@ from supervisor.models import (
 from supervisor.slurm import JobState, JobStatus, SourceUnavailable
 from supervisor.watchdog import accounting
 from supervisor.watchdog.actions import checkpoint_dir
-from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig, job_view, log_cause
+from supervisor.watchdog.blame import log_cause
+from supervisor.watchdog.observe import job_view
+from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 from supervisor.watchdog.snapshot import Cause, FindingKind, MetricSample, RemedyKind
 from supervisor.watchdog.telemetry import WatchdogMetrics
 
@@ -516,7 +518,7 @@ def _two_running_runs(
     db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[Reconciler, FakeSource, list[str]]:
     """Two runs seen running (started) with no samples yet, and one ETTR refresh a tick."""
-    monkeypatch.setattr("supervisor.watchdog.reconciler.ETTR_REFRESHES_PER_TICK", 1)
+    monkeypatch.setattr("supervisor.watchdog.telemetry.ETTR_REFRESHES_PER_TICK", 1)
     cluster, source = FakeCluster(), FakeSource()
     rec = make(db, tmp_path, cluster, source)
     runs = [new_run(db), new_run(db)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.slurm.joblogs import LogKind, classify, suspect_hosts
+from supervisor.watchdog.blame import LogKind, classify, suspect_hosts
 
 CAPTURED = Path(__file__).parent / "captured"
 

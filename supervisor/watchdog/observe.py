@@ -1,0 +1,423 @@
+"""Observe: read the world for one tick, in batches, into one snapshot per run; write nothing.
+
+The tick's reads are batched per source, whatever the number of runs: one query per table for
+every watched run (runs, current attempts, unfinished intents, open incidents, checkpoints
+already recorded, the slowest start-up seen), ONE SLURM poll for all current jobs and one
+metrics collection for all runs. What only one run's path needs (its checkpoints on disk, the
+blame in a failed job's log, the history a remedy is chosen from) is read when that run gets
+there, because reading it for a run that ends its tick earlier would be wasted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, defer
+
+from contracts.checkpoints import CheckpointInfo, list_checkpoints
+from contracts.spec import RunSpec
+from supervisor import store
+from supervisor.db import Database
+from supervisor.models import (
+    ACTIVE_RUN_STATES,
+    Action,
+    ActionState,
+    Attempt,
+    AttemptState,
+    Checkpoint,
+    Incident,
+    IncidentState,
+    Node,
+    Run,
+    RunState,
+)
+from supervisor.prometheus import MetricSource
+from supervisor.slurm import Cluster, JobState, JobStatus, SourceUnavailable, tail
+from supervisor.watchdog.actions import ROLLS_BACK, ActionKind, attempt_log_dir, checkpoint_dir
+from supervisor.watchdog.blame import LogCause, log_cause
+from supervisor.watchdog.policy import trusted_checkpoints
+from supervisor.watchdog.snapshot import (
+    CheckpointRef,
+    FindingKind,
+    JobView,
+    MetricsView,
+    PastRemedy,
+    RemedyKind,
+    RunHistory,
+    SourceHealth,
+)
+
+log = logging.getLogger("nightwatch.watchdog")
+
+#: Actions resumed from their intent after a crash (cancel / complete are re-derived each tick).
+RESUMABLE = [ActionKind.SUBMIT.value] + [k.value for k in RemedyKind if k is not RemedyKind.NONE]
+
+
+@dataclass
+class World:
+    """Everything one tick read in batches (the runs' rows are detached: read-only)."""
+
+    pending: list[Run]
+    watched: list[Run]
+    attempts: dict[str, Attempt]  # run → its current attempt
+    unfinished: dict[str, Action]  # run → its oldest resumable intent
+    incidents: dict[str, list[Incident]]  # run → its open or remedying incidents
+    recorded_step: dict[str, int]  # run → newest checkpoint step already recorded
+    startup_seen: dict[str, float]  # run → slowest start → first step of its attempts (s)
+    statuses: dict[str, JobStatus] = field(default_factory=dict)
+    views: dict[tuple[str, int], MetricsView] = field(default_factory=dict)
+    slurm_up: bool = True
+    metrics_up: bool = True
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def status(self, attempt: Attempt | None) -> JobStatus | None:
+        return self.statuses.get(attempt.job_id) if attempt and attempt.job_id else None
+
+    def view(self, run: Run) -> MetricsView:
+        return self.views.get((run.id, run.current_attempt), MetricsView(SourceHealth.MISSING))
+
+
+@dataclass(frozen=True)
+class Disk:
+    """A run's checkpoints on disk: the complete ones a resume may use, and every one not yet
+    recorded in the database."""
+
+    checkpoints: list[CheckpointRef]
+    unrecorded: list[CheckpointInfo]
+
+    @property
+    def step(self) -> int | None:
+        return self.checkpoints[-1].step if self.checkpoints else None
+
+
+class Observer:
+    """The tick's reads. Caches only what cannot change: parsed specs and the blame in a
+    failed attempt's log, both pruned to the runs still watched."""
+
+    def __init__(self, db: Database, cluster: Cluster, source: MetricSource, home: Path) -> None:
+        self.db = db
+        self.cluster = cluster
+        self.source = source
+        self.home = home
+        self._specs: dict[str, RunSpec] = {}
+        self._log_causes: dict[tuple[str, int], LogCause] = {}
+
+    def read_db(self) -> World:
+        """The database's part of the world: one query per table for every run."""
+        with self.db.session() as s:
+            pending = list(store.runs_in_states(s, [RunState.PENDING]))
+            watched = _watched_runs(s)
+            ids = [r.id for r in watched]
+            world = World(
+                pending=pending,
+                watched=watched,
+                attempts=_current_attempts(s, [*pending, *watched]),
+                unfinished=_unfinished_actions(s, ids),
+                incidents=_open_incidents(s, ids),
+                recorded_step=_recorded_steps(s, ids),
+                startup_seen=_startup_seen(s, ids),
+            )
+        current = {(r.id, r.current_attempt) for r in watched}
+        self._log_causes = {k: v for k, v in self._log_causes.items() if k in current}
+        keep = {r.id for r in [*pending, *watched]}
+        self._specs = {k: v for k, v in self._specs.items() if k in keep}
+        return world
+
+    def read_sources(self, world: World, now: float) -> None:
+        """One SLURM poll for every current job, one metrics collection for every active run.
+        A source that fails reads as down, never as healthy."""
+        watched_ids = {r.id for r in world.watched}
+        job_ids = [a.job_id for k, a in world.attempts.items() if a.job_id and k in watched_ids]
+        try:
+            mark = time.perf_counter()
+            world.statuses = self.cluster.poll(job_ids)
+            world.phases["slurm"] = time.perf_counter() - mark
+        except SourceUnavailable as exc:
+            log.warning(f"SLURM poll failed: {exc}")
+            world.statuses, world.slurm_up = {}, False
+        active = [r for r in world.watched if r.state is not RunState.NEEDS_ATTENTION]
+        keys = [(r.id, r.current_attempt) for r in active]
+        try:
+            mark = time.perf_counter()
+            world.views = self.source.collect(keys, now)
+            world.phases["metrics"] = time.perf_counter() - mark
+        except Exception as exc:  # a source bug must read as "down", never as "healthy"
+            log.warning(f"metrics source failed: {exc}")
+            world.views = {k: MetricsView(SourceHealth.DOWN, error=str(exc)) for k in keys}
+        world.metrics_up = not keys or any(
+            v.health is not SourceHealth.DOWN for v in world.views.values()
+        )
+
+    def spec(self, run: Run) -> RunSpec:
+        spec = self._specs.get(run.id)
+        if spec is None:
+            with self.db.session() as s:
+                raw = s.scalar(select(Run.spec_json).where(Run.id == run.id))
+            spec = self._specs[run.id] = RunSpec.model_validate(raw)
+        return spec
+
+    def disk(self, run: Run, spec: RunSpec, recorded_step: int | None) -> Disk:
+        """Checkpoints on disk (oldest first); after a rollback only the trusted ones."""
+        infos = list_checkpoints(checkpoint_dir(self.home, run.id, spec))
+        known = -1 if recorded_step is None else recorded_step
+        refs = [
+            CheckpointRef(step=c.step, saved_at=c.saved_at, consumed_samples=c.consumed_samples)
+            for c in sorted(infos, key=lambda c: c.step)
+            if c.complete
+        ]
+        if run.resume_step is not None:  # rolled back once: later checkpoints may be tainted
+            refs = trusted_checkpoints(refs, self._rollbacks(run.id))
+        return Disk(refs, [c for c in infos if c.step > known])
+
+    def log_cause(
+        self, run: Run, attempt: Attempt, status: JobStatus | None, view: MetricsView
+    ) -> LogCause:
+        """Blame from a failed job's log (read once per attempt)."""
+        if status is None or status.state is not JobState.FAILED:
+            return (None, None, ())
+        key = (run.id, attempt.number)
+        if key not in self._log_causes:
+            log_dir = attempt_log_dir(self.home, run.id, attempt.number)
+            try:
+                files = self.cluster.log_files(status.job_id, log_dir=log_dir)
+            except OSError:
+                files = []
+            text = "\n".join(tail(f) for f in files)
+            progress = any(s.step for s in view.samples)
+            nodes = status.nodes or tuple(attempt.nodes_json or ())
+            self._log_causes[key] = log_cause(text, status.exit_code, progress, nodes)
+        return self._log_causes[key]
+
+    def history(
+        self, run: Run, job: JobView, checkpoints: Sequence[CheckpointRef], nodes_needed: int
+    ) -> RunHistory:
+        """The run's past remedies and the nodes' strikes, and the spare capacity (asked only
+        when a remedy is being chosen)."""
+        with self.db.session() as s:
+            actions = s.scalars(
+                select(Action).where(Action.run_id == run.id).order_by(Action.id)
+            ).all()
+            strikes = {n.name: n.strikes for n in s.scalars(select(Node)).all()}
+        try:
+            usable: list[str] | None = [n.name for n in self.cluster.nodes().values() if n.usable]
+        except SourceUnavailable:
+            usable = None
+        return history_from_rows(
+            actions,
+            excluded=run.excluded_nodes_json or (),
+            strikes=strikes,
+            checkpoints=checkpoints,
+            attempt_nodes=job.nodes,
+            usable_nodes=usable,
+            nodes_needed=nodes_needed,
+        )
+
+    def _rollbacks(self, run_id: str) -> list[tuple[int, float | None]]:
+        """(to_step, first start of any later attempt) of the run's rollbacks (and of the
+        exclusions that resumed from a named step)."""
+        with self.db.session() as s:
+            actions = s.scalars(
+                select(Action).where(
+                    Action.run_id == run_id,
+                    Action.kind.in_([k.value for k in ROLLS_BACK]),
+                    Action.state == ActionState.DONE,
+                )
+            ).all()
+            started = {a.number: a.started_at for a in store.get_attempts(s, run_id)}
+        out = []
+        for a in actions:
+            to_step = (a.evidence_json or {}).get("to_step")
+            if to_step is None:
+                continue
+            later = [t for n, t in started.items() if n > (a.attempt or 0) and t is not None]
+            out.append((int(to_step), min(later).timestamp() if later else None))
+        return out
+
+
+def job_view(
+    status: JobStatus | None,
+    *,
+    slurm_up: bool,
+    attempt: Attempt,
+    now: float,
+    lost_after_s: float,
+    log_cause: LogCause = (None, None, ()),
+) -> JobView:
+    """SLURM's answer for one attempt as the detectors see it (pure)."""
+    if not slurm_up:
+        return JobView(health=SourceHealth.DOWN, job_id=attempt.job_id)
+    if attempt.job_id is None:
+        if attempt.state is AttemptState.FAILED:
+            return JobView(SourceHealth.UP, AttemptState.LOST, reason=attempt.end_reason)
+        return JobView(health=SourceHealth.MISSING)
+    if status is None or status.state is JobState.UNKNOWN:
+        age = now - attempt.submitted_at.timestamp()
+        if age > lost_after_s:
+            return JobView(SourceHealth.UP, AttemptState.LOST, job_id=attempt.job_id)
+        return JobView(health=SourceHealth.MISSING, job_id=attempt.job_id)
+    cause, reason, hosts = log_cause
+    nodes = status.nodes
+    if status.completing and attempt.nodes_json:
+        # squeue lists a COMPLETING job on the nodes still tearing down, not on all of its own
+        nodes = tuple(attempt.nodes_json)
+    return JobView(
+        health=SourceHealth.UP,
+        state=status.state.attempt_state,
+        job_id=status.job_id,
+        nodes=nodes,
+        exit_code=status.exit_code,
+        reason=reason or status.reason or None,
+        failed_nodes=status.failed_nodes or hosts,
+        cause=cause,
+        completing=status.completing,
+    )
+
+
+def history_from_rows(
+    actions: Iterable[Action],
+    *,
+    excluded: Iterable[str],
+    strikes: dict[str, int],
+    checkpoints: Sequence[CheckpointRef],
+    attempt_nodes: Sequence[str],
+    usable_nodes: Iterable[str] | None = None,
+    nodes_needed: int = 1,
+) -> RunHistory:
+    """The policy's view of the past, rebuilt from the actions' recorded evidence (pure).
+    Remedies whose resubmission failed are kept (marked `failed`): they count against the
+    restart budget, or a submission that keeps failing would be retried forever."""
+    remedies = []
+    kinds = {k.value for k in RemedyKind}
+    for a in actions:
+        if a.kind not in kinds:
+            continue
+        ev = a.evidence_json or {}
+        remedies.append(
+            PastRemedy(
+                kind=RemedyKind(a.kind),
+                attempt=a.attempt or 0,
+                at=a.created_at.timestamp(),
+                finding_kind=_finding_kind(ev.get("finding_kind")),
+                step=ev.get("step"),
+                skip_ranges=tuple(tuple(r) for r in ev.get("skip_ranges", ())),  # type: ignore[misc]
+                excluded=tuple(ev.get("exclude_nodes", ())),
+                attempt_nodes=tuple(ev.get("attempt_nodes", ())),
+                incident_id=ev.get("incident_id"),
+                finding_nodes=tuple(ev.get("finding_nodes", ())),
+                failed=a.state is ActionState.FAILED,
+            )
+        )
+    return RunHistory(
+        remedies=tuple(remedies),
+        excluded_nodes=frozenset(excluded),
+        node_strikes=dict(strikes),
+        checkpoints=tuple(checkpoints),
+        attempt_nodes=tuple(attempt_nodes),
+        usable_nodes=frozenset(usable_nodes) if usable_nodes is not None else None,
+        nodes_needed=nodes_needed,
+    )
+
+
+def _finding_kind(value: Any) -> FindingKind | None:
+    try:
+        return FindingKind(value) if value else None
+    except ValueError:
+        return None
+
+
+def ts(value: datetime | None) -> float | None:
+    return value.timestamp() if value is not None else None
+
+
+def as_datetime(t: float) -> datetime:
+    return datetime.fromtimestamp(t, UTC)
+
+
+# ---------------------------------------------------------------- batched queries
+
+
+def _watched_runs(session: Session) -> list[Run]:
+    """Active and needs-attention runs, without their spec (parsed once, see `spec`)."""
+    states = [*ACTIVE_RUN_STATES, RunState.NEEDS_ATTENTION]
+    return list(
+        session.scalars(
+            select(Run).options(defer(Run.spec_json)).where(Run.state.in_(states))
+        ).all()
+    )
+
+
+def _current_attempts(session: Session, runs: Sequence[Run]) -> dict[str, Attempt]:
+    if not runs:
+        return {}
+    rows = session.scalars(
+        select(Attempt)
+        .options(defer(Attempt.skip_ranges_json), defer(Attempt.exclude_json))
+        .join(Run, Run.id == Attempt.run_id)
+        .where(Attempt.run_id.in_([r.id for r in runs]), Attempt.number == Run.current_attempt)
+    ).all()
+    return {a.run_id: a for a in rows}
+
+
+def _unfinished_actions(session: Session, run_ids: Sequence[str]) -> dict[str, Action]:
+    if not run_ids:
+        return {}
+    rows = session.scalars(
+        select(Action)
+        .where(
+            Action.state == ActionState.INTENT,
+            Action.run_id.in_(run_ids),
+            Action.kind.in_(RESUMABLE),
+        )
+        .order_by(Action.id)
+    ).all()
+    out: dict[str, Action] = {}
+    for a in rows:
+        out.setdefault(a.run_id, a)
+    return out
+
+
+def _open_incidents(session: Session, run_ids: Sequence[str]) -> dict[str, list[Incident]]:
+    if not run_ids:
+        return {}
+    rows = session.scalars(
+        select(Incident)
+        .where(
+            Incident.run_id.in_(run_ids),
+            Incident.state.in_([IncidentState.OPEN, IncidentState.REMEDYING]),
+        )
+        .order_by(Incident.id)
+    ).all()
+    out: dict[str, list[Incident]] = {}
+    for i in rows:
+        out.setdefault(i.run_id, []).append(i)
+    return out
+
+
+def _recorded_steps(session: Session, run_ids: Sequence[str]) -> dict[str, int]:
+    if not run_ids:
+        return {}
+    rows = session.execute(
+        select(Checkpoint.run_id, func.max(Checkpoint.step))
+        .where(Checkpoint.run_id.in_(run_ids))
+        .group_by(Checkpoint.run_id)
+    ).all()
+    return {run_id: int(step) for run_id, step in rows}
+
+
+def _startup_seen(session: Session, run_ids: Sequence[str]) -> dict[str, float]:
+    """The slowest start → first step of each run's attempts (only those that took time)."""
+    if not run_ids:
+        return {}
+    rows = session.execute(
+        select(Attempt.run_id, func.max(Attempt.first_step_s))
+        .where(Attempt.run_id.in_(run_ids), Attempt.first_step_s > 0)
+        .group_by(Attempt.run_id)
+    ).all()
+    return {run_id: float(took) for run_id, took in rows}
