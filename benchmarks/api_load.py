@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron_runs.launch_local import free_port  # noqa: E402
 from supervisor import store  # noqa: E402
 from supervisor.api.examples import TINY_SPEC  # noqa: E402
 from supervisor.auth import Scope  # noqa: E402
@@ -77,12 +77,6 @@ class Result:
         return self.requests / self.seconds
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def _database(kind: str) -> Iterator[str]:
     if kind == "sqlite":
@@ -107,7 +101,7 @@ def _server(url: str, workers: int, synchronous: str) -> Iterator[tuple[str, str
     with db.write_session() as session:
         _, secret = store.create_token(session, "bench", [Scope.SUBMIT])
     db.dispose()
-    port = _free_port()
+    port = free_port()
     home = tempfile.mkdtemp()
     env = {**os.environ, "NIGHTWATCH_DATABASE_URL": url, "NIGHTWATCH_HOME": home,
            "NIGHTWATCH_PORT": str(port), "NIGHTWATCH_SQLITE_SYNCHRONOUS": synchronous}  # fmt: skip

@@ -101,9 +101,10 @@ def _table(data: dict) -> str:
 
 
 def _rank_main(args: argparse.Namespace) -> None:
-    from megatron_runs import loop
+    from megatron_runs import loop, setup
+    from megatron_runs.optimizer import build_optimizer
 
-    torch = loop.torch
+    torch = setup.torch
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
 
@@ -111,19 +112,19 @@ def _rank_main(args: argparse.Namespace) -> None:
     from contracts.spec import RunSpec
     from megatron_runs import dist_ckpt
 
-    rank, world, _, _ = loop._init_distributed()
+    rank, world, _, _ = setup.init_distributed()
     ps.initialize_model_parallel(1, 1)
     raw = gpt(
         f"ckpt-{args.size}", tp=1, pp=1, dp=world, steps=10, mbs=1, gbs=world, **SIZES[args.size]
     )
-    raw["resources"]["device"] = "cpu" if loop.CPU else "gpu"
-    bf16 = not loop.CPU
+    raw["resources"]["device"] = "cpu" if setup.CPU else "gpu"
+    bf16 = not setup.CPU
     raw["model"]["precision"] = "bf16" if bf16 else "fp32"
     spec = RunSpec.model_validate(raw)
     torch.manual_seed(1)
     tensor_parallel.model_parallel_cuda_manual_seed(1)
-    model, _ = loop._build_model(spec, bf16)
-    optimizer = loop._build_optimizer(spec, model, bf16)
+    model, _ = setup.build_model(spec, bf16)
+    optimizer = build_optimizer(spec, model, bf16)
 
     def train_step() -> None:
         """A stand-in step: random gradients, a real optimizer update of every parameter."""
@@ -131,7 +132,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             for buf in chunk.buffers:
                 buf.grad_data.normal_(0, 1e-3)
         optimizer.step()
-        loop._finish_param_gather(model)
+        loop.finish_param_gather(model)
 
     for _ in range(2):
         train_step()
@@ -145,7 +146,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     def barrier_time() -> float:
         torch.distributed.barrier()
-        if not loop.CPU:
+        if not setup.CPU:
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -213,7 +214,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         data = {
             "size": args.size,
             "world": world,
-            "device": "cpu" if loop.CPU else torch.cuda.get_device_name(0),
+            "device": "cpu" if setup.CPU else torch.cuda.get_device_name(0),
             "torch": torch.__version__,
             "gib": nbytes / 2**30,
             "repeats": results,

@@ -20,7 +20,6 @@ import math
 import multiprocessing
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contracts.spec import RunSpec
+from megatron_runs.launch_local import free_port
 from supervisor import store
 from supervisor.db import Database
 from supervisor.models import RunState
@@ -174,12 +174,6 @@ def _serve_fleet(run_ids: list[str], conn: Connection) -> None:
         if tick == 1:
             conn.send(server.server_address[1])
         time.sleep(max(0.0, 1.0 - (time.time() - now)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -8,11 +8,10 @@ prints one JSON line per step: {"event": "step", "step", "step_time"}.
     python benchmarks/train_baseline.py --spec SPEC --steps 30 [--no-fused]
         [--no-overlap-param-gather] [--no-fused-adam] [--no-gemm-bias] [--profile N]
 
-`--no-fused` / `--no-overlap-param-gather` turn off the GPU defaults of `loop._build_model`
+`--no-fused` / `--no-overlap-param-gather` turn off the GPU defaults of `setup.build_model`
 (fused bias-dropout-add and cross-entropy; param all-gather overlapped with the forward pass),
 `--no-gemm-bias` the biases added inside the QKV / fc1 GEMMs, `--no-fused-adam` that of
-`loop._build_optimizer` (torch's fused AdamW kernel), which gives the loop as it was measured
-before them.
+`optimizer.build_optimizer` (torch's fused AdamW kernel), which gives the loop without them.
 """
 
 from __future__ import annotations
@@ -33,10 +32,14 @@ CPU = cpu_compat.apply()
 import torch  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from contracts.spec import RunSpec  # noqa: E402
-from megatron_runs import loop  # noqa: E402
+from megatron_runs import setup  # noqa: E402
+from megatron_runs.data import MicroBatch  # noqa: E402
+from megatron_runs.loop import forward_step  # noqa: E402
+from megatron_runs.optimizer import build_optimizer  # noqa: E402
 
 
 def main() -> int:
@@ -56,23 +59,23 @@ def main() -> int:
     )
     args = ap.parse_args()
     spec = RunSpec.from_file(args.spec)
-    rank, _world, _local, device = loop._init_distributed()
+    rank, _world, _local, device = setup.init_distributed()
     p, t, m = spec.parallelism, spec.training, spec.model
     ps.initialize_model_parallel(p.tensor, p.pipeline)
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     bf16 = m.precision == "bf16" and not CPU
-    model, config = loop._build_model(
+    model, config = setup.build_model(
         spec,
         bf16,
         fused=not args.no_fused,
         overlap_param_gather=not args.no_overlap_param_gather,
         gemm_bias=not args.no_gemm_bias,
     )
-    optimizer = loop._build_optimizer(spec, model, bf16, fused_adam=not args.no_fused_adam)
+    optimizer = build_optimizer(spec, model, bf16, fused_adam=not args.no_fused_adam)
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
-    config.finalize_model_grads_func = loop.finalize_model_grads
+    config.finalize_model_grads_func = finalize_model_grads
     dp = ps.get_data_parallel_world_size()
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
     gen = torch.Generator(device="cpu").manual_seed(ps.get_data_parallel_rank())
@@ -82,7 +85,7 @@ def main() -> int:
             tok = torch.randint(
                 0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen
             )
-            yield loop.MicroBatch(
+            yield MicroBatch(
                 tokens=tok[:, :-1].to(device),
                 labels=tok[:, 1:].to(device),
                 loss_mask=torch.ones(t.micro_batch_size, m.seq_length, device=device),
@@ -105,7 +108,7 @@ def main() -> int:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         fwd_bwd(
-            forward_step_func=loop._forward_step,
+            forward_step_func=forward_step,
             data_iterator=it,
             model=model,
             num_microbatches=num_micro,

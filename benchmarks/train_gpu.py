@@ -9,7 +9,7 @@ Phases (each starts its own ranks through megatron_runs.launch_local):
   train() without hooks (no metrics endpoint, no checksums) and train() with them (metrics
   endpoint + checksum every 10 steps); dp1 is the same on one GPU, where `train()` also checks
   local rank 0's own gradients before the (absent) reduction. Step time is the median of steps
-  after the warm-up. More bare-loop variants switch off GPU defaults of `loop._build_model` for
+  after the warm-up. More bare-loop variants switch off GPU defaults of `setup.build_model` for
   an A/B in the same call: `baseline-ag` without the fused kernels (param all-gather overlap
   only), `baseline-before` without either (the loop as first measured), `baseline-adam` with
   torch's foreach AdamW instead of the fused kernel, `baseline-nogemm` with Megatron's separate
@@ -232,9 +232,9 @@ def big(
     if "nohooks" in variants:
         res["train_no_hooks"] = run(
             out / f"{name}-nohooks",
-            spec,
+            {**spec, "training": {**spec["training"], "replica_check_every": 0}},
             [],
-            {**env, "NIGHTWATCH_REPLICA_CHECK_EVERY": "0"},
+            env,
             skip_final_checkpoint=skip_ckpt,
         )
     if "baseline-nogemm" in variants:

@@ -163,6 +163,11 @@ class TrainingSpec(_Strict):
     clip_grad: float = Field(default=1.0, ge=0)
     seed: int = Field(default=1234, ge=0, le=2**32 - 1)
     log_interval: PositiveInt = 1
+    replica_check_every: NonNegativeInt = Field(
+        default=10,
+        description="Steps between replica checksums (parameters that must be bit-identical "
+        "across data- and tensor-parallel ranks); 0 turns them off.",
+    )
     token_budget: PositiveInt | None = Field(
         default=None, description="Optional total tokens; the layout report gives steps for it."
     )

@@ -11,11 +11,17 @@ Each fault is tied to its cause, so only the right remedy cures it:
 * crash: one process crash at a step; a marker file beside the checkpoints records that it
   fired, so a restart (whatever its attempt number, under any supervisor) does not meet it again;
 * corrupt_checkpoint: the checkpoint published at that step is truncated, once (marker likewise).
+
+The loop holds one `Faults` and calls it at fixed points of every step: `before_step` (crash,
+hang), `poison_effect` (as the batch is built), `poison_grads` (inside the grad-finalize hook,
+before reduction), `straggle` (after the optimizer step) and, on rank 0, `corrupt_after_publish`
+(after a save). `Faults()`, what a spec without faults gets, does nothing at any of them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -27,18 +33,20 @@ from contracts import exitcodes
 from contracts.spec import CorruptCheckpointFault, CrashFault, NodeFault, PoisonDataFault, RunSpec
 
 
-@dataclass(frozen=True)
+@dataclass
 class Faults:
-    """The faults that apply to this process (node already resolved)."""
+    """The faults that apply to this process (node already resolved); none by default."""
 
-    poison: tuple[PoisonDataFault, ...]
-    node: tuple[NodeFault, ...]
-    crash: tuple[CrashFault, ...]
-    corrupt: tuple[CorruptCheckpointFault, ...]
+    poison: tuple[PoisonDataFault, ...] = ()
+    node: tuple[NodeFault, ...] = ()
+    crash: tuple[CrashFault, ...] = ()
+    corrupt: tuple[CorruptCheckpointFault, ...] = ()
     marker_dir: Path | None = None
     this_node: str = ""
     #: Pin files of this process's `job_node` faults not pinned yet: written at the first strike.
     to_pin: set[str] = field(default_factory=set)
+    #: The step being computed (set by `before_step`), for the hook inside Megatron's schedule.
+    step: int = 0
 
     @classmethod
     def for_process(
@@ -55,6 +63,8 @@ class Faults:
         `job_nodes` (the job's nodes in rank order) places the `job_node` faults not pinned yet.
         """
         fs = spec.faults
+        if not fs:
+            return cls()
         markers = Path(checkpoint_dir) / ".faults"
         sick: list[NodeFault] = []
         to_pin: set[str] = set()
@@ -134,6 +144,7 @@ class Faults:
 
     def before_step(self, step: int) -> None:
         """Crash or hang here when a fault says so (called at the start of each step)."""
+        self.step = step
         effects = self.node_effects(step)
         for f in self.crash:
             if f.step == step:
@@ -154,8 +165,23 @@ class Faults:
             return 0.0
         return (self.slow_factor() - 1.0) * busy_seconds
 
+    def straggle(self, step: int, busy_seconds: float) -> float:
+        """Sleep the slow node's extra time for this step (`slow_delay`); return it."""
+        delay = self.slow_delay(step, busy_seconds)
+        if delay:
+            time.sleep(delay)
+        return delay
+
     def nan_grads(self, step: int) -> bool:
         return "nan_grads" in self.node_effects(step)
+
+    def poison_grads(self, model: Sequence) -> None:
+        """A sick node's NaN gradients: written into the DDP grad buffers of `model` before
+        they are reduced, on the step `before_step` began."""
+        if self.nan_grads(self.step):
+            for chunk in model:
+                for buf in chunk.buffers:
+                    buf.grad_data.view(-1)[0] = math.nan
 
     def corrupt_after_publish(self, step: int, ckpt: Path) -> Path | None:
         """Truncate the largest file of the checkpoint of `step`; return it if done."""

@@ -23,11 +23,13 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    """A free TCP port below Linux's ephemeral range (32768+).
+    """A free loopback TCP port below Linux's ephemeral range (32768+), for a server that
+    binds it later: rank 0's TCPStore here, and every server the demo, tests and benchmarks
+    start (the one definition; this module imports nothing heavy).
 
-    A port from bind(0) lies in the ephemeral range, and between closing it and rank 0's
-    TCPStore binding it the kernel may hand it to some process's outgoing connection
-    (seen as EADDRINUSE on a busy host). Ports below that range are never handed out so.
+    A port from bind(0) lies in the ephemeral range, and between closing it and the server
+    binding it the kernel may hand it to some process's outgoing connection (seen as
+    EADDRINUSE on a busy host). Ports below that range are never handed out so.
     """
     rng = random.Random()
     for _ in range(200):

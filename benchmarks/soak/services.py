@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import psycopg
 
+from megatron_runs.launch_local import free_port
 from supervisor import store
 from supervisor.auth import Scope
 from supervisor.db import Database
@@ -27,12 +27,6 @@ from supervisor.db import Database
 REPO = Path(__file__).resolve().parents[2]
 DEVCLUSTER = REPO / "scripts" / "devcluster"
 PYTHON = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(what: str, check, timeout_s: float, interval_s: float = 0.5) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -68,12 +67,6 @@ def demo_spec(steps: int, prefix: str, tokenizer: str) -> dict[str, Any]:
             {"kind": "poison_data", "start_sample": POISON[0], "end_sample": POISON[1]},
         ],
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _Server:
@@ -134,6 +127,7 @@ def demo(
     """Run a tiny CPU training with a poisoned data window and watch the watchdog cure it."""
     from contracts.logs import JsonFormatter
     from contracts.spec import RunSpec
+    from megatron_runs.launch_local import free_port
     from supervisor import store
     from supervisor.api.app import create_app
     from supervisor.api.routes.report import report_data
@@ -154,7 +148,7 @@ def demo(
     root.setLevel(logging.INFO)
     root.propagate = False
 
-    port = _free_port()
+    port = free_port()
     settings = Settings(
         home=home,
         executor="local",

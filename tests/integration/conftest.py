@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from megatron_runs.launch_local import free_port
 from supervisor.db import Database
 from supervisor.slurm import SlurmCluster
 
@@ -36,12 +36,6 @@ NIGHTWATCH = [sys.executable, "-m", "supervisor.cli"]
 CLUSTER_DIR = Path(os.environ.get("NIGHTWATCH_IT_CLUSTER_DIR", "/tmp/nightwatch-it-cluster"))
 BASE_PORT = int(os.environ.get("NIGHTWATCH_IT_BASE_PORT", "18600"))
 TERMINAL = {"succeeded", "failed", "cancelled", "needs_attention"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _devcluster(*args: str) -> subprocess.CompletedProcess[str]:
@@ -111,7 +105,7 @@ def stack() -> Iterator[Stack]:
 
 
 def _stack(home: Path) -> Iterator[Stack]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "NIGHTWATCH_HOME": str(home), "PYTHONPATH": str(REPO)}
     # Tokens first (the schema is created on the way): Prometheus's SD needs a read token.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from megatron_runs.launch_local import free_port
 from supervisor import launcher
 from supervisor.slurm import JobState, wait_for
 
@@ -19,12 +19,6 @@ from .conftest import REPO, devcluster
 from .endpoints import EndpointRegistry
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def query_steps(prom_url: str, run_id: str) -> dict[str, float]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -29,18 +28,13 @@ import httpx
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from megatron_runs.launch_local import free_port
 from megatron_runs.metrics import StepReport, TrainMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = REPO / "dashboards" / "prometheus"
 RUN_ID = "r-0ca11ed0beef"
 TICK_SECONDS = 0.25
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerNode:

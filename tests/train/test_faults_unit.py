@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
 from train_helpers import spec_dict
 
 from contracts.spec import RunSpec
@@ -27,7 +29,33 @@ def _faults(node: str, ckpt: Path, rank: int = 0) -> Faults:
 
 def test_no_faults_section_means_no_effects(tmp_path: Path) -> None:
     f = Faults.for_process(RunSpec.model_validate(spec_dict("f")), "n2", 1, tmp_path)
+    assert f == Faults()  # the production default
+    f.before_step(10)
+    f.poison_grads([])  # no model touched: nothing to poison
     assert f.poison_effect(42) is None and not f.nan_grads(10) and f.slow_delay(10, 1.0) == 0
+    assert f.straggle(10, 1.0) == 0.0
+    assert f.corrupt_after_publish(10, tmp_path) is None
+    assert not (tmp_path / ".faults").exists()
+
+
+def test_sick_node_hooks_poison_grads_and_straggle(tmp_path: Path) -> None:
+    class Buffer:
+        def __init__(self) -> None:
+            self.grad_data = torch.zeros(3)
+
+    class Chunk:
+        def __init__(self) -> None:
+            self.buffers = [Buffer(), Buffer()]
+
+    model = [Chunk()]
+    sick = _faults("n2", tmp_path)
+    sick.before_step(4)
+    sick.poison_grads(model)
+    assert all(not b.grad_data.isnan().any() for b in model[0].buffers)  # nan_grads from step 5
+    sick.before_step(5)
+    sick.poison_grads(model)
+    assert all(b.grad_data[0].isnan() and b.grad_data[1] == 0 for b in model[0].buffers)
+    assert sick.straggle(5, 0.01) == pytest.approx(0.03)  # slow_factor 4: 3 × 0.01 s asleep
 
 
 def test_poison_is_tied_to_sample_indices(tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """The training log's JSON lines stay whole when ranks share a file descriptor.
 
 A node task's forked ranks (`worker.ranks`) write to its one log; a line written in two
-pieces (print()'s text, then its newline) let another rank's output in between, and the
-soak's ground truth lost a `train_start` that way (thirteenth session). Each line must be one
-write call: the kernel keeps one write to a pipe (up to PIPE_BUF) or a shared file whole.
+pieces (print()'s text, then its newline) lets another rank's output in between, and a line
+torn that way is lost to every reader of the log. Each line must be one write call: the kernel
+keeps one write to a pipe (up to PIPE_BUF) or a shared file whole.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ class _Writes(io.StringIO):
 
 
 def test_every_log_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_runs.loop import _Log
+    from megatron_runs.setup import Log
 
     stream = _Writes()
     monkeypatch.setattr(sys, "stderr", stream)
-    log = _Log(TrainContext(run_id="r", attempt=1, node="n1", checkpoint_dir=Path(".")), 0)
+    log = Log(TrainContext(run_id="r", attempt=1, node="n1", checkpoint_dir=Path(".")), 0)
     log("train_start", step=5, nodes=["n1", "n2"])
     log("step", step=6, loss=3.2)
     assert [json.loads(c)["event"] for c in stream.calls] == ["train_start", "step"]

@@ -20,14 +20,10 @@ from pathlib import Path
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from megatron_runs.launch_local import free_port
+
 PROMETHEUS = "/usr/bin/prometheus"
 LABELS = ("run_id", "attempt", "node")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -1,0 +1,330 @@
+"""One attempt's set-up on one rank: distributed init, model, optimizer, data, faults, resume.
+
+`set_up` returns a `Trainer`, everything `loop.run` needs to step. `init_distributed` and
+`build_model` are public for benchmarks/train_baseline.py, which measures the same model
+without the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_runs import cpu_compat
+
+CPU = cpu_compat.apply()
+
+import torch  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.transformer.module import Float16Module  # noqa: E402
+
+from contracts import checkpoints as ck  # noqa: E402
+from contracts.spec import RunSpec  # noqa: E402
+from contracts.task import TrainContext, nightwatch_home  # noqa: E402
+from megatron_runs import dist_ckpt  # noqa: E402
+from megatron_runs.data import TokenStream  # noqa: E402
+from megatron_runs.data_prep import prepare  # noqa: E402
+from megatron_runs.faults import Faults  # noqa: E402
+from megatron_runs.metrics import TrainMetrics  # noqa: E402
+from megatron_runs.model import build_gpt, init_layout_independent, transformer_config  # noqa: E402
+from megatron_runs.optimizer import build_optimizer, fuse_adam  # noqa: E402
+
+
+class Log:
+    """JSON-lines log on stderr, with run_id / attempt / job_id on every line."""
+
+    def __init__(self, ctx: TrainContext, rank: int) -> None:
+        self.base = {
+            "run_id": ctx.run_id,
+            "attempt": ctx.attempt,
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "node": ctx.node,
+            "rank": rank,
+        }
+        self.rank = rank
+
+    def __call__(self, event: str, all_ranks: bool = False, **fields: object) -> None:
+        if self.rank == 0 or all_ranks:
+            line = {"ts": round(time.time(), 3), "event": event, **self.base, **fields}
+            # One write per line: a node task's forked ranks share its log file, and print()
+            # writes the newline apart, where another rank's output could land in between.
+            sys.stderr.write(json.dumps(line, default=str) + "\n")
+            sys.stderr.flush()
+
+
+class SetupClock:
+    """Where an attempt's start-up goes (seconds per phase, in the train_start line): a
+    restart's cost is read from these, not guessed."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + now - self._last, 3)
+        self._last = now
+
+
+class StopFlag:
+    """Set by USR2/TERM; acted on at the next step boundary.
+
+    Installed first thing in `loop.run`, so a preemption during set-up or checkpoint loading
+    (seconds) still ends in a checkpoint and exit 75 instead of TERM's default kill. A handler
+    installed before it that remembered a signal (worker.task's `_EarlyStop`, which covers the
+    import of the loop) hands that signal over instead of losing it.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            previous = signal.signal(sig, self._handler)
+            self.signum = self.signum or getattr(previous, "signum", None) or 0
+
+    def _handler(self, signum: int, _frame: object) -> None:
+        self.signum = signum
+
+
+@dataclass
+class Trainer:
+    """What set-up hands the loop: this rank's place in the job, the model and its optimizer,
+    the data, the faults, and the step and sample cursor to go on from."""
+
+    log: Log
+    rank: int
+    world: int
+    device: torch.device
+    model: list
+    optimizer: object
+    stream: TokenStream
+    #: The job's nodes in rank order, and this rank's node's place among them.
+    nodes: list[str]
+    node_index: int
+    faults: Faults
+    #: Whether this rank's own gradients were all finite before reduction (a 0-d bool tensor
+    #: written by the grad-finalize hook; stays None with overlapped grad reduction).
+    local_grads: list[torch.Tensor | None]
+    dp_rank: int
+    dp_size: int
+    layout: dict[str, int]
+    root: Path
+    step: int
+    cursor: int
+    resumed_from: int | None
+    metrics: TrainMetrics | None
+
+
+def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
+    """Everything before the first step, each phase timed on `clock`; a checkpoint in
+    `ctx.checkpoint_dir` (the newest, or `ctx.resume_step`'s) is loaded."""
+    rank, world, local_rank, device = init_distributed()
+    p = spec.parallelism
+    if p.virtual_pipeline:
+        raise ValueError("virtual pipeline stages are not supported by megatron_runs yet")
+    if p.sequence_parallel:
+        raise ValueError("sequence parallel needs apex/TransformerEngine norms; not supported")
+    if world != p.world_size:
+        raise ValueError(f"WORLD_SIZE {world} != tensor×pipeline×data {p.world_size}")
+    ps.initialize_model_parallel(p.tensor, p.pipeline)
+    clock.mark("distributed_init")
+    log = Log(ctx, rank)
+    t = spec.training
+    torch.manual_seed(t.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
+    bf16 = spec.model.precision == "bf16" and not CPU
+    stream = TokenStream(_data_prefix(spec), spec.model.seq_length)
+    model, config = build_model(spec, bf16)
+    optimizer = build_optimizer(spec, model, bf16)
+    clock.mark("model_and_optimizer")
+    nodes = _job_nodes(ctx.node)
+    faults = Faults.for_process(spec, ctx.node, rank, ctx.checkpoint_dir, local_rank, nodes)
+    # Every rank checks whether its own gradients were finite before reduction (after it,
+    # every rank holds the NaN, and only this tells where it was made); the step's all-reduce
+    # carries one flag per node, so a node's exporter counts a NaN made by any of its devices.
+    # Not with overlapped grad reduction (GPU, DP > 1): the buckets are already being reduced
+    # in place when the backward pass ends.
+    overlapped = getattr(getattr(model[0], "ddp_config", None), "overlap_grad_reduce", False)
+    local_grads: list[torch.Tensor | None] = [None]
+    _hook_finalize(config, model, faults, None if overlapped else local_grads)
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model[0].no_sync
+    dp_size = ps.get_data_parallel_world_size()
+    root = Path(ctx.checkpoint_dir)
+    clock.mark("other")
+    step, cursor, resumed_from = _resume(model, optimizer, root, ctx, rank, log, clock)
+    metrics = None
+    if ctx.metrics_port is not None and local_rank == 0:
+        metrics = _serve_metrics(ctx, rank, t.train_steps, step, cursor, log)
+    return Trainer(
+        log=log, rank=rank, world=world, device=device, model=model, optimizer=optimizer,
+        stream=stream, nodes=nodes, node_index=nodes.index(ctx.node), faults=faults,
+        local_grads=local_grads, dp_rank=ps.get_data_parallel_rank(), dp_size=dp_size,
+        layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": dp_size}, root=root,
+        step=step, cursor=cursor, resumed_from=resumed_from, metrics=metrics,
+    )  # fmt: skip
+
+
+def init_distributed() -> tuple[int, int, int, torch.device]:
+    """This rank's place (RANK, WORLD_SIZE, LOCAL_RANK) and device; the process group joined
+    over gloo on CPU, NCCL on GPU."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if CPU:
+        device = torch.device("cpu")
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=backend, rank=rank, world_size=world, device_id=None if CPU else device
+        )
+    return rank, world, local_rank, device
+
+
+def _job_nodes(node: str) -> list[str]:
+    """Every node of this process group, in rank order without repeats: the log then says
+    where each attempt ran (a sick node's fault strikes only where a job lands on it)."""
+    names: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(names, node)
+    return list(dict.fromkeys(n for n in names if n is not None))
+
+
+def _data_prefix(spec: RunSpec) -> str:
+    if spec.data.prefix:
+        return spec.data.prefix
+    return prepare(None, nightwatch_home() / "data", spec.model.vocab_size).prefix
+
+
+def build_model(
+    spec: RunSpec,
+    bf16: bool,
+    fused: bool = True,
+    overlap_param_gather: bool = True,
+    gemm_bias: bool = True,
+) -> tuple[list, object]:
+    """The DDP-wrapped model. On GPU by default: fused bias-dropout-add and cross-entropy (bf16
+    only, see `transformer_config`), QKV and fc1 biases added inside their GEMMs
+    (`model.GemmBiasColumnParallelLinear`) and, with the distributed optimizer at DP > 1, the
+    param all-gather overlapped with the next forward pass (`loop.finish_param_gather` before
+    anything reads the weights). The switches exist for benchmarks/train_baseline.py's A/B
+    runs; CPU runs get none of them."""
+    dp = ps.get_data_parallel_world_size()
+    config = transformer_config(
+        spec,
+        torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_init=CPU,
+        fused=fused and bf16,
+    )
+    model = build_gpt(
+        spec,
+        config,
+        ps.is_pipeline_first_stage(),
+        ps.is_pipeline_last_stage(),
+        gemm_bias=gemm_bias and not CPU,
+    )
+    if not CPU:
+        model.cuda(torch.cuda.current_device())
+    init_layout_independent(model, config, spec.training.seed)
+    if bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        # On GPU, reduce-scatter gradient buckets while the backward pass still runs.
+        overlap_grad_reduce=not CPU and dp > 1,
+        overlap_param_gather=overlap_param_gather
+        and not CPU
+        and dp > 1
+        and spec.parallelism.distributed_optimizer,
+        use_distributed_optimizer=spec.parallelism.distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    ddp.broadcast_params()
+    return [ddp], config
+
+
+def _hook_finalize(
+    config: object,
+    model: list,
+    faults: Faults,
+    local_grads: list[torch.Tensor | None] | None,
+) -> None:
+    """Grad reduction, with injected NaN grads on a sick node before they are reduced, and,
+    into `local_grads[0]` when given, whether this rank's own gradients were all finite
+    (a 0-d bool tensor, read with the step's other host syncs; one fp32 sum per buffer)."""
+
+    def finalize(*args: object, **kwargs: object) -> None:
+        faults.poison_grads(model)
+        if local_grads is not None:
+            sums = [b.grad_data.sum(dtype=torch.float32) for c in model for b in c.buffers]
+            local_grads[0] = torch.isfinite(torch.stack(sums).sum()) if sums else None
+        finalize_model_grads(*args, **kwargs)
+
+    config.finalize_model_grads_func = finalize
+
+
+def _resume(
+    model: list,
+    optimizer: object,
+    root: Path,
+    ctx: TrainContext,
+    rank: int,
+    log: Log,
+    clock: SetupClock,
+) -> tuple[int, int, int | None]:
+    """Load the checkpoint to go on from: (step, sample cursor, the step resumed from); from
+    scratch (0, 0, None) when `root` holds none. Rank 0 then unpins the older checkpoints."""
+    info = ck.choose(root, ctx.resume_step)
+    if ctx.resume_step and (info is None or info.step != ctx.resume_step):
+        log("resume_step_unavailable", asked=ctx.resume_step, using=info.step if info else 0)
+    if info is None:
+        return 0, 0, None
+    t0 = time.perf_counter()
+    loaded = dist_ckpt.load(model, optimizer, info)
+    fuse_adam(optimizer)
+    step = loaded.step
+    log("checkpoint_loaded", step=step, path=str(info.path), seconds=time.perf_counter() - t0)
+    clock.mark("checkpoint_load")
+    if rank == 0:
+        try:
+            ck.unpin_below(root, step)
+        except OSError as exc:  # housekeeping: never worth a crash loop
+            log("unpin_failed", error=repr(exc))
+    return step, loaded.consumed_samples, info.step
+
+
+def _serve_metrics(
+    ctx: TrainContext, rank: int, target_steps: int, step: int, cursor: int, log: Log
+) -> TrainMetrics:
+    """This node's endpoint (local rank 0 only); run-level series on global rank 0's node.
+
+    Binds NIGHTWATCH_METRICS_HOST (default 127.0.0.1; the worker sets the node's address
+    when Prometheus scrapes from elsewhere).
+    """
+    metrics = TrainMetrics(ctx.run_id, ctx.attempt, ctx.node, run_level=rank == 0)
+    host = os.environ.get("NIGHTWATCH_METRICS_HOST", "127.0.0.1")
+    port = metrics.serve(host, ctx.metrics_port or 0)
+    metrics.start(target_steps, step, cursor)
+    metrics.set_up(True)
+    if ctx.on_metrics_ready is not None:
+        ctx.on_metrics_ready(host, port)
+    log("metrics_ready", all_ranks=True, host=host, port=port)
+    return metrics
