@@ -32,8 +32,3 @@ class TrainContext:
 def node_name() -> str:
     """The node's name for metrics, faults, exclusions (docs/contracts.md "Node identity")."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def nightwatch_home() -> Path:
-    """Where runs, data and caches live unless a spec says otherwise (NIGHTWATCH_HOME)."""
-    return Path(os.environ.get("NIGHTWATCH_HOME", Path.home() / ".nightwatch"))

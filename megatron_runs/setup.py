@@ -30,8 +30,9 @@ from megatron.core.distributed import (  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 from contracts import checkpoints as ck  # noqa: E402
+from contracts.paths import nightwatch_home  # noqa: E402
 from contracts.spec import RunSpec  # noqa: E402
-from contracts.task import TrainContext, nightwatch_home  # noqa: E402
+from contracts.task import TrainContext  # noqa: E402
 from megatron_runs import dist_ckpt  # noqa: E402
 from megatron_runs.data import TokenStream  # noqa: E402
 from megatron_runs.data_prep import prepare  # noqa: E402

@@ -17,8 +17,9 @@ from pathlib import Path
 from types import ModuleType
 
 from contracts import checkpoints
+from contracts.paths import checkpoint_dir, nightwatch_home
 from contracts.spec import RunSpec
-from contracts.task import TrainContext, nightwatch_home, node_name
+from contracts.task import TrainContext, node_name
 
 
 @dataclass
@@ -93,9 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spec = RunSpec.from_file(args.spec)
-    ckpt = args.checkpoint_dir or Path(
-        spec.checkpoint.dir or nightwatch_home() / "runs" / args.run_id / "checkpoints"
-    )
+    ckpt = args.checkpoint_dir or checkpoint_dir(nightwatch_home(), args.run_id, spec)
     ctx = TrainContext(
         run_id=args.run_id,
         attempt=args.attempt,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from contracts.paths import attempt_log_dir, checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor.launcher import NodeSetup, SubmitPlan, job_env, job_request
 from supervisor.settings import Settings
 from supervisor.slurm import render_sbatch, sbatch_parameters
-from supervisor.watchdog.actions import attempt_log_dir, checkpoint_dir
 
 #: Stands in for the id the run would be given; paths and the job name show where it goes.
 PREVIEW_RUN_ID = "r-dry-run"

@@ -155,3 +155,16 @@ class SbatchOut(BaseModel):
 class Health(BaseModel):
     status: str = Field(examples=["ok"])
     database: str = Field(examples=["ok"])
+
+
+class LogChunkOut(BaseModel):
+    run_id: str
+    attempt: int
+    job_id: str | None = Field(description="null until SLURM accepted the attempt's job.")
+    node: str | None = Field(description="Whose log this is; null before the job exists.")
+    nodes: list[str] = Field(
+        description="The attempt's nodes (or `taskK` before SLURM named them)."
+    )
+    text: str = Field(description="Whole lines, as the task wrote them (stderr merged in).")
+    offset: int = Field(description="Pass as `offset` to get what is written after this.")
+    done: bool = Field(description="The attempt has ended: nothing more will be written.")

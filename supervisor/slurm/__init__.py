@@ -11,7 +11,7 @@ The names below are the package's API.
 
 from supervisor.slurm.cli import SlurmCluster, detect_slurm, render_sbatch, sbatch_parameters
 from supervisor.slurm.connect import make_cluster, wait_for
-from supervisor.slurm.files import tail
+from supervisor.slurm.files import last_lines, read_from, tail
 from supervisor.slurm.local import LocalCluster
 from supervisor.slurm.types import (
     Cluster,
@@ -40,7 +40,9 @@ __all__ = [
     "Submission",
     "Unsupported",
     "detect_slurm",
+    "last_lines",
     "make_cluster",
+    "read_from",
     "render_sbatch",
     "sbatch_parameters",
     "tail",

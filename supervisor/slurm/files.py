@@ -53,3 +53,35 @@ def tail(path: Path, max_bytes: int = 64 * 1024) -> str:
             return fh.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return ""
+
+
+def read_from(path: Path, offset: int, max_bytes: int) -> tuple[str, int]:
+    """Up to `max_bytes` of the file from byte `offset`, cut back to the last whole line, and
+    the offset to read on from (a missing file reads as empty: the task has not started).
+    A line longer than `max_bytes` is returned in pieces rather than never."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            data = fh.read(max_bytes)
+    except FileNotFoundError:
+        return "", offset
+    if len(data) == max_bytes and b"\n" in data:
+        data = data[: data.rindex(b"\n") + 1]
+    return data.decode("utf-8", errors="replace"), offset + len(data)
+
+
+def last_lines(path: Path, lines: int, max_bytes: int) -> tuple[str, int]:
+    """The file's last `lines` whole lines (within its last `max_bytes`), and its size: where
+    a follower reads on from."""
+    try:
+        with path.open("rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            start = max(0, size - max_bytes)
+            fh.seek(start)
+            data = fh.read()
+    except FileNotFoundError:
+        return "", 0
+    if start > 0 and b"\n" in data:
+        data = data[data.index(b"\n") + 1 :]  # drop the partial first line
+    kept = data.splitlines(keepends=True)[-lines:] if lines else []
+    return b"".join(kept).decode("utf-8", errors="replace"), size

@@ -30,6 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contracts import checkpoints
+from contracts.paths import attempt_log_dir, checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.auth import Scope
@@ -66,24 +67,8 @@ class ActionKind(enum.StrEnum):
     OBSERVE = RemedyKind.OBSERVE.value
 
 
-def run_dir(home: Path, run_id: str) -> Path:
-    return home / "runs" / run_id
-
-
 #: Remedies whose `to_step` rolls training back (later checkpoints may hold thrown-away state).
 ROLLS_BACK = frozenset({RemedyKind.ROLLBACK, RemedyKind.EXCLUDE_NODE})
-
-
-def checkpoint_dir(home: Path, run_id: str, spec: RunSpec) -> Path:
-    """docs: spec.checkpoint.dir, default $NIGHTWATCH_HOME/runs/<run id>/checkpoints."""
-    if spec.checkpoint.dir:
-        return Path(spec.checkpoint.dir)
-    return run_dir(home, run_id) / "checkpoints"
-
-
-def attempt_log_dir(home: Path, run_id: str, attempt: int) -> Path:
-    """One folder per attempt: submitit creates `<job id>/` in it once sbatch answered."""
-    return run_dir(home, run_id) / "logs" / f"a{attempt}"
 
 
 def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, defer
 
 from contracts.checkpoints import CheckpointInfo, list_checkpoints
+from contracts.paths import attempt_log_dir, checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
@@ -40,7 +41,7 @@ from supervisor.models import (
 )
 from supervisor.prometheus import MetricSource
 from supervisor.slurm import Cluster, JobState, JobStatus, SourceUnavailable, tail
-from supervisor.watchdog.actions import ROLLS_BACK, ActionKind, attempt_log_dir, checkpoint_dir
+from supervisor.watchdog.actions import ROLLS_BACK, ActionKind
 from supervisor.watchdog.blame import LogCause, log_cause
 from supervisor.watchdog.policy import trusted_checkpoints
 from supervisor.watchdog.snapshot import (

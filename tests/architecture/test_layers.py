@@ -21,7 +21,7 @@ OUR_PACKAGES = ("contracts", "worker", "megatron_runs", "supervisor")
 SUPERVISOR_FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"models", "db", "settings", "auth", "metrics", "roots", "layout"}),
     frozenset({"store", "slurm", "metrics_in", "prometheus", "launcher"}),
-    frozenset({"watchdog", "report", "report_plot", "preview", "service"}),
+    frozenset({"watchdog", "report", "report_plot", "preview", "service", "run_logs"}),
     frozenset({"api"}),
     frozenset({"cli"}),
 )

@@ -10,9 +10,9 @@ import time
 import pytest
 from sqlalchemy import select
 
+from contracts.paths import attempt_log_dir
 from supervisor.models import Checkpoint, Endpoint, Token
 from supervisor.slurm import JobState
-from supervisor.watchdog.actions import attempt_log_dir
 
 from .conftest import Stack, tiny_spec
 

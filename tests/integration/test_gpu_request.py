@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import select
 
 from contracts import exitcodes
+from contracts.paths import attempt_log_dir
 from supervisor.models import Incident
-from supervisor.watchdog.actions import attempt_log_dir
 
 from .conftest import Stack, tiny_spec
 

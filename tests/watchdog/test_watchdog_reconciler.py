@@ -13,6 +13,7 @@ from watchdog_curves import Faults, simulate
 from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
 
 from contracts.checkpoints import pinned
+from contracts.paths import checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
@@ -32,7 +33,6 @@ from supervisor.models import (
 )
 from supervisor.slurm import JobState, JobStatus, SourceUnavailable
 from supervisor.watchdog import accounting
-from supervisor.watchdog.actions import checkpoint_dir
 from supervisor.watchdog.blame import log_cause
 from supervisor.watchdog.observe import job_view
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig

@@ -9,12 +9,12 @@ from sqlalchemy import select
 from test_watchdog_reconciler import get_run, new_run, running
 from watchdog_fakes import TINY_SPEC, FakeCluster, FakeSource, write_checkpoint
 
+from contracts.paths import checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
 from supervisor.models import RunState, Token
 from supervisor.slurm import JobState
-from supervisor.watchdog.actions import checkpoint_dir
 
 
 def worker_tokens(db: Database, run_id: str) -> list[Token]:

@@ -1,0 +1,59 @@
+"""A run's task logs: which file holds node N's output of attempt A, read in chunks.
+
+submitit writes one file per task of the job (`<attempt log dir>/<job id>/<job id>_<task>_log.out`,
+stderr merged into it), and a job runs one task per node in SLURM's node-list order, so task K
+is the attempt's K-th node. Reading is by byte offset: a follower asks again from the offset it
+was given and gets only what was written since, whole lines only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from contracts.paths import attempt_log_dir
+from supervisor.slurm import last_lines, read_from
+
+#: The most one read returns, so a follower of a chatty job gets it in pieces.
+MAX_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    node: str
+    nodes: tuple[str, ...]
+    text: str
+    offset: int
+
+
+class UnknownNode(LookupError):
+    """The attempt ran on other nodes."""
+
+
+def task_files(
+    home: Path, run_id: str, attempt: int, job_id: str, nodes: list[str]
+) -> dict[str, Path]:
+    """node → its task's log file, in the job's node order. Before SLURM has named the nodes,
+    the tasks found on disk stand for them as `task0`, `task1`, …"""
+    folder = attempt_log_dir(home, run_id, attempt) / job_id
+    if nodes:
+        return {node: folder / f"{job_id}_{k}_log.out" for k, node in enumerate(nodes)}
+    found = sorted(folder.glob(f"{job_id}_*_log.out"), key=lambda p: int(p.name.split("_")[1]))
+    return {f"task{p.name.split('_')[1]}": p for p in found} or {
+        "task0": folder / f"{job_id}_0_log.out"
+    }
+
+
+def read_log(files: dict[str, Path], node: str | None, tail: int, offset: int | None) -> LogChunk:
+    """`node`'s log (default: the first node's, where rank 0 logs): its last `tail` lines, or
+    what follows `offset`."""
+    nodes = tuple(files)
+    chosen = node or nodes[0]
+    if chosen not in files:
+        raise UnknownNode(f"node {chosen!r} is not one of this attempt's: {', '.join(nodes)}")
+    path = files[chosen]
+    if offset is None:
+        text, end = last_lines(path, tail, MAX_CHUNK_BYTES)
+    else:
+        text, end = read_from(path, offset, MAX_CHUNK_BYTES)
+    return LogChunk(node=chosen, nodes=nodes, text=text, offset=end)
