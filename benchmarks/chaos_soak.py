@@ -133,14 +133,14 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
             "keep_seconds": 30.0,
         },
         # A CPU step is 0.06-0.2 s (by VM), and the longest gap between two steps of a
-        # healthy run was 1.03 s on the slowest VM (0.55 s over the 30,000 steps of the
-        # ninth session's reference): a 5 s no-progress floor is ≥ 25 steps and ≥ 5 × that
+        # healthy run was 1.03 s on the slowest VM (0.55 s over the 30,000 steps of a clean
+        # reference): a 5 s no-progress floor is ≥ 25 steps and ≥ 5 × that
         # gap (the default 60 s is 12-60 steps of a 1-5 s GPU step). A frozen node is still
         # excluded: the hang's verdict waits while a node fails its scrapes and is not yet
-        # dark (`DARK_AFTER_S`); before that wait, 5 s named nobody (ninth session, run 3).
+        # dark (`DARK_AFTER_S`); without that wait, 5 s named nobody.
         # A spike is judged before its last poisoned step is trained, so a skip of just the
-        # window seen fell short by a step or two and needed a second rollback (tenth
-        # session); operators skip well past a spike (DOMAIN.md: 200-500 batches).
+        # window seen fell short by a step or two and needed a second rollback; operators
+        # skip well past a spike (DOMAIN.md: 200-500 batches).
         "recovery": {
             "hang_floor_seconds": HANG_FLOOR_S,
             "max_excluded_nodes": max(2, node_faults),
@@ -259,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.12,
         help="expected CPU step time, which differs by VM (2-core VMs here: 0.12-0.18 s on "
-        "2026-11-26/27, 0.07 s in the ninth session); --minutes / this is the step count",
+        "2026-11-26/27, 0.07 s on a faster one); --minutes / this is the step count",
     )
     ap.add_argument("--steps", type=int, default=None, help="train_steps (overrides --minutes)")
     ap.add_argument("--checkpoint-interval", type=int, default=10)

@@ -38,8 +38,8 @@ from contracts.spec import RunSpec
 from megatron_runs.launch_local import free_port
 from supervisor import store
 from supervisor.db import Database
+from supervisor.metrics_in import PrometheusSource
 from supervisor.models import RunState
-from supervisor.prometheus import PrometheusSource
 from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, Submission
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 

@@ -102,10 +102,8 @@ def _gather_in_buffer_space(optimizer: object) -> None:
     shared embedding gets a bucket of its own) whose first bucket needs padding to a multiple
     of the DP size therefore saves a later bucket's params shifted — the embedding's Adam state
     and fp32 main param belong to the wrong elements. Nothing fails; the resumed run silently
-    diverges (T1: +0.5 loss). Loading slices per parameter and is right, so the fix is on the
-    gather side: put every bucket back at its buffer offset. The checkpoint format is unchanged
-    (it was already correct for single-bucket buffers); checkpoints saved before this fix with
-    inter-bucket padding hold shifted optimizer state.
+    diverges. Loading slices per parameter and is right, so this gather puts every bucket
+    back at its buffer offset; the checkpoint format is the same as megatron-core's.
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         gather = getattr(opt, "get_parameter_state_dp_zero", None)

@@ -16,48 +16,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-WINDOW = 16
-_LABELS = ("run_id", "attempt", "node")
-_P = "nightwatch_train_"
-
-NODE_METRICS = {
-    "step": ("gauge", "last completed step"),
-    "step_entered": ("gauge", "step this node's local rank 0 last began (past its faults)"),
-    "last_step_timestamp_seconds": ("gauge", "unix time the last step finished"),
-    "steps": ("counter", "steps completed by this process"),
-    "step_time_seconds": ("gauge", "this node's last step wall time"),
-    "step_time_window_avg_seconds": ("gauge", "mean step time over the last 16 steps"),
-    "up": ("gauge", "1 while the training loop runs"),
-    "nonfinite_grads": ("counter", "steps whose local gradients were NaN/Inf before reduction"),
-}
-RUN_METRICS = {
-    "target_steps": ("gauge", "train_steps of the spec"),
-    "loss": ("gauge", "loss of the last step"),
-    "loss_sum": ("counter_raw", "sum of losses"),
-    "loss_window_max": ("gauge", "max loss over the last 16 steps"),
-    "loss_window_min": ("gauge", "min loss over the last 16 steps"),
-    "grad_norm": ("gauge", "grad norm of the last step"),
-    "grad_norm_window_max": ("gauge", "max grad norm over the last 16 steps"),
-    "nonfinite_steps": ("counter", "steps with NaN/Inf loss or grad norm"),
-    "learning_rate": ("gauge", "learning rate of the last step"),
-    "tokens": ("counter", "tokens consumed"),
-    "samples_consumed": ("gauge", "global sample index consumed so far"),
-    "skipped_samples": ("counter", "samples skipped by skip ranges"),
-    "tokens_per_second": ("gauge", "tokens per second of the last step"),
-    "mfu_ratio": ("gauge", "model FLOPs utilisation (0-1; 0 on CPU)"),
-    "checkpoint_step": ("gauge", "step of the newest published checkpoint"),
-    "checkpoint_last_timestamp_seconds": ("gauge", "when it was published"),
-    "checkpoint_duration_seconds": ("gauge", "how long the last save took"),
-    "checkpoint_failures": ("counter", "failed saves"),
-    "replica_checks": ("counter", "replica checksum comparisons made"),
-    "replica_mismatches": ("counter", "comparisons where replicas differed"),
-}
-
-
-def metric_names(run_level: bool = True) -> list[str]:
-    """Exposed sample names (counters with `_total`, except `loss_sum`)."""
-    table = {**NODE_METRICS, **(RUN_METRICS if run_level else {})}
-    return [_P + k + ("_total" if kind == "counter" else "") for k, (kind, _) in table.items()]
+from contracts.metric_names import LABELS, NODE_METRICS, PREFIX, RUN_METRICS, WINDOW_STEPS
 
 
 @dataclass
@@ -88,11 +47,11 @@ class TrainMetrics:
             # loss_sum is monotonic but named without `_total` by the contract: a Gauge
             # keeps the exact name (a Counter would be exposed as `..._sum_total`).
             cls = Counter if kind == "counter" else Gauge
-            metric = cls(_P + name, doc, _LABELS, registry=self.registry)
+            metric = cls(PREFIX + name, doc, LABELS, registry=self.registry)
             self._m[name] = metric.labels(**labels)
-        self._losses: deque[float] = deque(maxlen=WINDOW)
-        self._norms: deque[float] = deque(maxlen=WINDOW)
-        self._times: deque[float] = deque(maxlen=WINDOW)
+        self._losses: deque[float] = deque(maxlen=WINDOW_STEPS)
+        self._norms: deque[float] = deque(maxlen=WINDOW_STEPS)
+        self._times: deque[float] = deque(maxlen=WINDOW_STEPS)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint; return the bound port (port 0 → ephemeral)."""

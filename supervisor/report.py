@@ -30,20 +30,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from supervisor.watchdog import accounting
+from supervisor import accounting
+from supervisor.metrics_in.types import LossPoint
 
 Row = Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class LossPoint:
-    """One observed (step, loss), tagged with the attempt that computed it."""
-
-    step: int
-    loss: float
-    attempt: int | None = None
-    t: float | None = None
-    source: str = "metrics"  # "metrics" or "checkpoint"
 
 
 @dataclass(frozen=True)
@@ -263,9 +253,8 @@ def mean_step_seconds(loss: Sequence[LossPoint]) -> float | None:
     the same attempt that moved, over the steps they moved (saves included).
 
     Not the median of the observations' own rates: with a save every few steps, whether a
-    scrape interval holds one decides its rate, and the median of them made a run's steps
-    longer than its wall time allowed (ETTR 1.0 with 117 s of downtime, in the thirteenth
-    session's soak)."""
+    scrape interval holds one decides its rate, and the median of them can make a run's steps
+    longer than its wall time allows (an ETTR of 1.0 beside minutes of downtime)."""
     seconds, steps = 0.0, 0
     by_attempt: dict[int | None, list[LossPoint]] = {}
     for p in loss:
@@ -499,44 +488,6 @@ def render_text(report: Report) -> str:
                 f"{'-' if i.steps_lost is None else i.steps_lost:<5} {i.state}"
             )
     return "\n".join(out) + "\n"
-
-
-def loss_from_matrix(
-    step_result: Sequence[Row], loss_result: Sequence[Row], last_step_result: Sequence[Row] = ()
-) -> list[LossPoint]:
-    """Join Prometheus range-query matrices of `nightwatch_train_step` and `..._loss`.
-
-    Both come from the same scrapes of the same endpoint, so samples pair by (attempt, time).
-    Scrapes that saw the same step twice yield one point; non-finite losses are kept out (the
-    plot marks NaN incidents from the incident rows instead). A process exports its gauges from
-    its start, before its first step: those scrapes (`nightwatch_train_last_step_timestamp_
-    seconds` still 0, `last_step_result`) hold a placeholder loss of 0 at the resume step, not
-    a measurement, and are left out, as the watchdog leaves them out.
-    """
-    placeholders = {
-        (series["metric"].get("attempt", ""), float(t))
-        for series in last_step_result
-        for t, v in series["values"]
-        if float(v) == 0
-    }
-    steps: dict[tuple[str, float], int] = {}
-    for series in step_result:
-        attempt = series["metric"].get("attempt", "")
-        for t, v in series["values"]:
-            steps[(attempt, float(t))] = int(float(v))
-    points: dict[tuple[str, int], LossPoint] = {}
-    for series in loss_result:
-        attempt = series["metric"].get("attempt", "")
-        for t, v in series["values"]:
-            step = steps.get((attempt, float(t)))
-            loss = float(v)
-            if step is None or not math.isfinite(loss) or (attempt, float(t)) in placeholders:
-                continue
-            points.setdefault(
-                (attempt, step),
-                LossPoint(step, loss, int(attempt) if attempt.isdigit() else None, float(t)),
-            )
-    return sorted(points.values(), key=lambda p: (p.t or 0.0, p.step))
 
 
 def loss_from_checkpoints(checkpoints: Iterable[Row]) -> list[LossPoint]:

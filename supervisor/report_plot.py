@@ -11,7 +11,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from supervisor.report import LossPoint, Report
+from supervisor.metrics_in import LossPoint
+from supervisor.report import Report
 
 _WINDOW_STYLE = {
     "rollback": {"color": "tab:orange", "alpha": 0.18},

@@ -1,11 +1,11 @@
 """One task per node: import the training program once, then fork the node's ranks from it.
 
-Why: every rank used to be its own scheduler task, and every task imported torch and
-megatron-core on its own at every (re)start. On a node with fewer cores than ranks those
-imports share the cores: on the 2-core development VM they were most of a restart (4 ranks:
-14.1 s to the first step, 6.1 s forked; `benchmarks/restart_cost.py`), and on a GPU cluster 8
-ranks per node read the same thousands of files from a shared file system. A fork after the
-import shares the imported modules (copy-on-write, with `gc.freeze`) and costs milliseconds.
+Why: a rank that is its own scheduler task imports torch and megatron-core on its own at
+every (re)start. On a node with fewer cores than ranks those imports share the cores (on the
+2-core development VM, 4 ranks: 14.1 s to the first step as tasks, 6.1 s forked;
+`benchmarks/restart_cost.py`), and on a GPU cluster 8 ranks per node read the same thousands
+of files from a shared file system. A fork after the import shares the imported modules
+(copy-on-write, with `gc.freeze`) and costs milliseconds.
 
 The parent (the node's task) trains nothing. It forwards the stop signals (USR2/TERM) to its
 ranks and ends with their outcome: the first rank that fails decides it, and its peers are

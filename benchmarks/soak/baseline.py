@@ -32,7 +32,7 @@ from benchmarks.soak.services import PYTHON, REPO, Cluster
 from supervisor.slurm import JobState, SlurmCluster, SourceUnavailable
 
 #: No step for this long is a stall nothing in the baseline can end (a SLURM requeue after a
-#: node failure took 42-56 s in the fourth session's soak; a hang holds until gloo's timeout).
+#: node failure takes 42-56 s here; a hang holds until gloo's timeout).
 STALL_S = 300.0
 #: Nightwatch's workers take 20000-29999 (worker.env.master_port); stay clear of them.
 MASTER_PORT_BASE = 30000

@@ -24,8 +24,7 @@ from supervisor.api.routes import health, logs, report, runs, specs, workers
 from supervisor.api.submissions import SubmissionWriter
 from supervisor.db import REQUEST_THREADS, Database
 from supervisor.metrics import SupervisorMetrics
-from supervisor.prometheus import loss_history
-from supervisor.report import LossPoint
+from supervisor.metrics_in import LossPoint, loss_history
 from supervisor.settings import Settings
 
 log = logging.getLogger("nightwatch.api")

@@ -22,19 +22,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from contracts import exitcodes
+from contracts.metric_names import WINDOW_STEPS
 from contracts.spec import RecoverySpec
+from supervisor.metrics_in import DARK_AFTER_S, MetricSample, SourceHealth
 from supervisor.models import AttemptState
 from supervisor.watchdog.blame import classify_failure
-from supervisor.watchdog.snapshot import (
-    DARK_AFTER_S,
-    METRIC_WINDOW_STEPS,
-    Cause,
-    Finding,
-    FindingKind,
-    MetricSample,
-    Snapshot,
-    SourceHealth,
-)
+from supervisor.watchdog.snapshot import Cause, Finding, FindingKind, Snapshot
 
 #: Fewest baseline samples before a throughput drop can be judged at all.
 MIN_BASELINE_SAMPLES = 5
@@ -209,7 +202,7 @@ def _elevated_steps(episode: Sequence[MetricSample], thr: float, after_step: int
         if _finite(s.loss) and s.loss > thr:  # type: ignore[operator]
             steps.add(s.step)
         if _finite(s.loss_window_min) and s.loss_window_min > thr:  # type: ignore[operator]
-            lo = max(after_step + 1, s.step - METRIC_WINDOW_STEPS + 1)
+            lo = max(after_step + 1, s.step - WINDOW_STEPS + 1)
             steps.update(range(lo, s.step + 1))
     return steps
 
@@ -238,7 +231,7 @@ def _steps_seen(points: Sequence[MetricSample], first_own: int = 0) -> int:
         if i in (0, first_own) or not _finite(p.loss_window_min):
             seen += 1
         else:
-            seen += max(1, min((p.step or 0) - (points[i - 1].step or 0), METRIC_WINDOW_STEPS))
+            seen += max(1, min((p.step or 0) - (points[i - 1].step or 0), WINDOW_STEPS))
     return seen
 
 
@@ -401,7 +394,7 @@ def _loss_excess(
     """The loss that the steps no scrape's window saw carried above the baseline's highest
     loss, when it is more than one step at `factor` × that loss would carry (else None).
 
-    The trainer's loss window covers its last METRIC_WINDOW_STEPS steps, so when two scrapes
+    The trainer's loss window covers its last WINDOW_STEPS steps, so when two scrapes
     of one process are further apart the steps before the later window pass unseen by it, but
     not by the `loss_sum` and `steps_total` counters. The window's steps carry at most its max
     each; what the rest carried above the baseline's highest loss sums a run's noise to about
@@ -411,12 +404,12 @@ def _loss_excess(
     if not all(_finite(c) for c in counters):
         return None
     steps = int(after.steps_total - before.steps_total)  # type: ignore[operator]
-    unseen = steps - METRIC_WINDOW_STEPS
+    unseen = steps - WINDOW_STEPS
     if unseen <= 0:
         return None
     highest = max(_window_max(p) for p in baseline)
     carried = after.loss_sum - before.loss_sum  # type: ignore[operator]
-    excess = carried - METRIC_WINDOW_STEPS * _window_max(after) - unseen * highest
+    excess = carried - WINDOW_STEPS * _window_max(after) - unseen * highest
     return excess if excess > (factor - 1) * highest else None
 
 

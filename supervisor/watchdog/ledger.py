@@ -19,18 +19,12 @@ from sqlalchemy.orm import Session
 
 from contracts import exitcodes
 from contracts.checkpoints import CheckpointInfo
-from supervisor import store
+from supervisor import accounting, store
 from supervisor.db import Database
+from supervisor.metrics_in import MetricsView, SourceHealth
 from supervisor.models import Attempt, AttemptState, Incident, IncidentState, Run, RunState
-from supervisor.watchdog import accounting
 from supervisor.watchdog.observe import as_datetime
-from supervisor.watchdog.snapshot import (
-    JobView,
-    MetricsView,
-    Remedy,
-    RemedyKind,
-    SourceHealth,
-)
+from supervisor.watchdog.snapshot import JobView, Remedy, RemedyKind
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from contracts.paths import attempt_log_dir, checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
+from supervisor.metrics_in import MetricSource, MetricsView, SourceHealth
 from supervisor.models import (
     ACTIVE_RUN_STATES,
     Action,
@@ -39,7 +40,6 @@ from supervisor.models import (
     Run,
     RunState,
 )
-from supervisor.prometheus import MetricSource
 from supervisor.slurm import Cluster, JobState, JobStatus, SourceUnavailable, tail
 from supervisor.watchdog.actions import ROLLS_BACK, ActionKind
 from supervisor.watchdog.blame import LogCause, log_cause
@@ -48,11 +48,9 @@ from supervisor.watchdog.snapshot import (
     CheckpointRef,
     FindingKind,
     JobView,
-    MetricsView,
     PastRemedy,
     RemedyKind,
     RunHistory,
-    SourceHealth,
 )
 
 log = logging.getLogger("nightwatch.watchdog")

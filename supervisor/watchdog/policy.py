@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from contracts.spec import RecoverySpec
+from supervisor.metrics_in import SourceHealth
 from supervisor.watchdog.snapshot import (
     NUMERIC_FAULTS,
     Cause,
@@ -36,7 +37,6 @@ from supervisor.watchdog.snapshot import (
     RemedyKind,
     RunHistory,
     Snapshot,
-    SourceHealth,
 )
 
 #: Remedies in a row that did not move training past where the first of them was decided.
@@ -435,7 +435,7 @@ def _crash_evidence(
     """Earlier crashes that say something about the node they struck: a crash the run did
     not get past (its restart did not hold), or any crash in a job so wide that chance
     would rarely put two unrelated crashes on one node. In a 2-node job, half of all
-    unrelated crashes land on the node of the one before (the seed-7 soak excluded n4 so)."""
+    unrelated crashes land on the node of the one before."""
     if 1 / max(1, len(history.attempt_nodes)) <= CRASH_COINCIDENCE_P:
         return list(prior)
     loops = _not_held(history, rc, step)

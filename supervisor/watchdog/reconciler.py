@@ -34,8 +34,8 @@ from supervisor import store
 from supervisor.db import Database
 from supervisor.launcher import JOB_PREFIX, NodeSetup
 from supervisor.metrics import SupervisorMetrics
+from supervisor.metrics_in import MetricSource, PrometheusSource, ScrapeSource, Target
 from supervisor.models import Action, Attempt, AttemptState, Run, RunState
-from supervisor.prometheus import MetricSource, PrometheusSource, ScrapeSource, Target
 from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobState, SourceUnavailable, make_cluster
 from supervisor.watchdog import policy, strays
@@ -45,12 +45,7 @@ from supervisor.watchdog.lease import Deposed, LeaseGuard
 from supervisor.watchdog.ledger import Ledger
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.observe import Observer, World, job_view, ts
-from supervisor.watchdog.snapshot import (
-    Finding,
-    Remedy,
-    RemedyKind,
-    Snapshot,
-)
+from supervisor.watchdog.snapshot import Finding, Remedy, RemedyKind, Snapshot
 from supervisor.watchdog.telemetry import Telemetry
 
 log = logging.getLogger("nightwatch.watchdog")

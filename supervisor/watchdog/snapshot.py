@@ -11,23 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.metrics_in.types import MetricsView, SourceHealth
 from supervisor.models import AttemptState
-
-#: Steps covered by the worker's `*_window_max` / `*_window_min` gauges (docs/contracts.md).
-METRIC_WINDOW_STEPS = 16
-
-#: A node's endpoint must fail every scrape this long before it counts as dark: one
-#: timed-out scrape of a busy exporter is not a dead host.
-DARK_AFTER_S = 5.0
-
-
-class SourceHealth(enum.StrEnum):
-    """How far an observation can be trusted. Only UP data may clear or convict a run."""
-
-    UP = "up"
-    DOWN = "down"  # the source failed (Prometheus / sacct unreachable, scrape error)
-    STALE = "stale"  # the source answered but its newest data is too old
-    MISSING = "missing"  # the source is up but has no series for this run yet
 
 
 class Cause(enum.StrEnum):
@@ -38,72 +23,6 @@ class Cause(enum.StrEnum):
     INFRA = "infra"  # preemption, walltime: nobody's fault
     CODE = "code"  # config / program error: a person must look
     UNKNOWN = "unknown"
-
-
-@dataclass(frozen=True, slots=True)
-class MetricSample:
-    """One observation of a run's worker metrics at time `t` (None = not exported)."""
-
-    t: float
-    step: int | None = None
-    loss: float | None = None
-    loss_window_max: float | None = None
-    loss_window_min: float | None = None
-    loss_sum: float | None = None
-    steps_total: float | None = None
-    grad_norm: float | None = None
-    grad_norm_window_max: float | None = None
-    nonfinite_total: float | None = None
-    tokens_total: float | None = None
-    tokens_per_second: float | None = None
-    samples_consumed: int | None = None
-    last_step_ts: float | None = None
-    target_steps: int | None = None
-    checkpoint_step: int | None = None
-    checkpoint_ts: float | None = None
-    checkpoint_failures_total: float | None = None
-    replica_checks_total: float | None = None
-    replica_mismatches_total: float | None = None
-    up: float | None = None
-    step_time: Mapping[str, float] = field(default_factory=dict)  # node → window avg seconds
-
-
-@dataclass(frozen=True, slots=True)
-class MetricsView:
-    """The trailing window of one attempt's samples, oldest first, with the source's health.
-
-    `prior` holds the run's earlier attempts' samples below this attempt's first step: the
-    loss baseline a fresh attempt would otherwise lack for its first scrapes, which is when
-    a fault soon after a restart (a poisoned window near the resume point) must be judged."""
-
-    health: SourceHealth
-    samples: tuple[MetricSample, ...] = ()
-    error: str | None = None
-    prior: tuple[MetricSample, ...] = ()
-    #: Nodes whose own gradients went non-finite before reduction in this attempt (each
-    #: node's `nightwatch_train_nonfinite_grads_total`): after the reduction every rank holds
-    #: the NaN, so only this says which node made it.
-    nonfinite_grad_nodes: tuple[str, ...] = ()
-    #: Nodes that, at the newest answer, had begun an earlier step than their peers
-    #: (`nightwatch_train_step_entered`). While steps complete this is scrape skew; in a hang
-    #: it is the node that never began the step its peers wait in.
-    lagging_nodes: tuple[str, ...] = ()
-    #: Nodes whose metrics endpoint has failed every scrape for DARK_AFTER_S or longer while
-    #: the attempt's other nodes answered, and whose host answered nothing: a frozen, dead or
-    #: cut-off host.
-    dark_nodes: tuple[str, ...] = ()
-    #: Such nodes whose host refused the connection: it is up, its training processes are
-    #: gone (a crashed rank takes its node's exporter with it when its local peers fail).
-    exited_nodes: tuple[str, ...] = ()
-    #: Nodes failing their scrapes for less than DARK_AFTER_S: not yet known dark or exited.
-    failing_nodes: tuple[str, ...] = ()
-    #: While a node is dark or exited: seconds since the furthest step the answering nodes
-    #: had begun last changed (they wait in its collective; progress clears the node).
-    peers_steady_s: float | None = None
-
-    @property
-    def latest(self) -> MetricSample | None:
-        return self.samples[-1] if self.samples else None
 
 
 @dataclass(frozen=True, slots=True)

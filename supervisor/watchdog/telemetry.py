@@ -14,20 +14,13 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy import func, select
 
-from supervisor import store
+from supervisor import accounting, store
 from supervisor.db import Database
 from supervisor.metrics import SupervisorMetrics
+from supervisor.metrics_in import MetricsView
 from supervisor.models import ACTIVE_RUN_STATES, Incident, Node, NodeHealth, Run, RunState
-from supervisor.watchdog import accounting
 from supervisor.watchdog.detectors import median_step_time
-from supervisor.watchdog.snapshot import (
-    CheckpointRef,
-    Finding,
-    FindingKind,
-    MetricsView,
-    Remedy,
-    RemedyKind,
-)
+from supervisor.watchdog.snapshot import CheckpointRef, Finding, FindingKind, Remedy, RemedyKind
 
 NS = "nightwatch_supervisor"
 _LATENCY_BUCKETS = (0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800)

@@ -19,8 +19,8 @@ OUR_PACKAGES = ("contracts", "worker", "megatron_runs", "supervisor")
 #: The supervisor's parts by floor, lowest first; a part is a module or subpackage of
 #: `supervisor` (its first dotted component after `supervisor.`).
 SUPERVISOR_FLOORS: tuple[frozenset[str], ...] = (
-    frozenset({"models", "db", "settings", "auth", "metrics", "roots", "layout"}),
-    frozenset({"store", "slurm", "metrics_in", "prometheus", "launcher"}),
+    frozenset({"models", "db", "settings", "auth", "metrics", "roots", "layout", "alert_routing"}),
+    frozenset({"store", "slurm", "metrics_in", "accounting", "launcher"}),
     frozenset({"watchdog", "report", "report_plot", "preview", "service", "run_logs"}),
     frozenset({"api"}),
     frozenset({"cli"}),

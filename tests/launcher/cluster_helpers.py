@@ -9,17 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from contracts.spec import RunSpec
+from supervisor.metrics_in import MetricsView, SourceHealth
 from supervisor.slurm import JobStatus, SlurmCluster, tail
 from supervisor.watchdog.detectors import detect_all
 from supervisor.watchdog.policy import decide
-from supervisor.watchdog.snapshot import (
-    JobView,
-    MetricsView,
-    Remedy,
-    RunHistory,
-    Snapshot,
-    SourceHealth,
-)
+from supervisor.watchdog.snapshot import JobView, Remedy, RunHistory, Snapshot
 
 
 def wait_until(

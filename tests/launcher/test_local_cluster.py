@@ -87,7 +87,7 @@ def test_configured_executor_wins_over_a_reachable_slurm_conf(
 def test_cancel_stops_tasks_that_ignore_sigint(tmp_path, toy_spec, toy_plan):
     """A supervisor started in the background by a shell has SIGINT ignored, and so has every
     process it starts: submitit's own cancel (a SIGINT) then stopped nothing, and the tasks
-    trained on beside the next attempt (tenth session's CI). The cancel kills them."""
+    trained on beside the next attempt. The cancel kills them."""
     cluster = LocalCluster()
     plan = toy_plan(tmp_path, toy_spec("bg", steps=100_000, nodes=1, per_node=2, interval=1000))
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)

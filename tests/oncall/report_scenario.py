@@ -6,7 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from supervisor.report import LossPoint, ReportData
+from supervisor.metrics_in import LossPoint
+from supervisor.report import ReportData
 
 T0 = datetime(2026, 11, 26, 1, 0, 0, tzinfo=UTC)
 STEP_S = 2.0

@@ -9,13 +9,13 @@ import math
 import pytest
 from report_scenario import RESTART_GAP_S, STEP_S, T0, at, scenario
 
+from supervisor.metrics_in import LossPoint
+from supervisor.metrics_in.promql import loss_from_matrix
 from supervisor.report import (
-    LossPoint,
     Report,
     build_report,
     format_duration,
     loss_from_checkpoints,
-    loss_from_matrix,
     mean_step_seconds,
     render_text,
     skip_windows,
@@ -75,8 +75,8 @@ def test_an_active_run_counts_downtime_up_to_now() -> None:
 
 
 def test_downtime_runs_from_the_last_advance_through_an_attempt_that_never_trained() -> None:
-    """The tenth session's soak: the report said 18 s of downtime where restarts alone took
-    ≈ 115 s, because it counted only SLURM's gaps between attempts. A hang's stall before
+    """Counting only SLURM's gaps between attempts, a report says 18 s of downtime where
+    restarts alone take ≈ 115 s. A hang's stall before
     detection, an attempt that hung at start-up and the next one's start-up are downtime."""
     data = scenario()
     a1, a2 = data.attempts
@@ -218,9 +218,8 @@ def test_ettr_counts_no_stuck_attempt_and_no_failed_submission_as_productive() -
 def test_the_step_time_holds_the_saves_as_the_wall_clock_does() -> None:
     """0.16 s steps and a 0.5 s save every 10 steps, scraped every second: whether a scrape
     interval holds a save decides its rate, so the median of the rates is not the mean step
-    (0.20 s against 0.21 s here). In the thirteenth session's soak it was 0.199 s against
-    0.181 s, 9,000 steps at it outlasted the run, and the report said ETTR 1.0. Time over
-    steps is the mean."""
+    (0.20 s against 0.21 s here); over 9,000 steps such a gap outlasts the run and the report
+    would say ETTR 1.0. Time over steps is the mean."""
     step_done, t = [], 0.0
     for step in range(1, 601):
         t += 0.16 + (0.5 if step % 10 == 0 else 0.0)

@@ -25,8 +25,8 @@ from supervisor.api.routes import report as report_route
 from supervisor.auth import Scope
 from supervisor.cli import app as cli
 from supervisor.db import Database
+from supervisor.metrics_in import LossPoint
 from supervisor.models import AttemptState, IncidentState, RunState
-from supervisor.report import LossPoint
 from supervisor.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]

@@ -34,7 +34,7 @@ from supervisor import store
 from supervisor.auth import Scope
 from supervisor.cli.demo import BATCH, demo_spec
 from supervisor.db import Database
-from supervisor.prometheus import loss_history
+from supervisor.metrics_in import loss_history
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
@@ -216,7 +216,7 @@ def test_report_cli_tells_the_story(scenario: Scenario) -> None:
 
 
 def test_loss_history_joins_real_scrapes(scenario: Scenario) -> None:
-    """`supervisor.prometheus.loss_history`: step and loss pair up by scrape timestamp."""
+    """`supervisor.metrics_in.loss_history`: step and loss pair up by scrape timestamp."""
     points = loss_history(scenario.prometheus, scenario.run_id, since=time.time() - 900)
     by_attempt: dict[int | None, list[int]] = {}
     for p in points:

@@ -124,7 +124,7 @@ def test_an_external_fault_that_never_found_its_target_says_why(
 def test_a_run_that_stops_stepping_ends_stalled_only_when_nothing_can_move_it(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """The baseline sat 1,700 s in a hang in the seventh session's soak: no step for
+    """A hung baseline must not hold the soak for its whole collective timeout: no step for
     `stall_s`, with the collective timeout past the deadline, ends the wait."""
     clock = iter(range(1000, 3000, 10))
     monkeypatch.setattr(driver.time, "time", lambda: float(next(clock)))

@@ -178,7 +178,7 @@ def _place(p: Progress, placed: dict[str, tuple[str, ...]]) -> None:
 
 
 def test_straggler_counts_from_the_first_job_on_its_node_not_from_its_arming_step() -> None:
-    """The seed-7 soaks: a straggler armed at step 30 (before the poison, in schedule order)
+    """A straggler armed at step 30 (before the poison, in schedule order)
     struck only when the poison's rollback put the job on n1 (t=120). Dated by its arming step,
     its exclusion fell into the poison's window and both faults were scored wrong; the group
     that recovers the poison is also the one the straggler slows."""
@@ -199,7 +199,7 @@ def test_straggler_counts_from_the_first_job_on_its_node_not_from_its_arming_ste
 
 
 def test_a_fault_whose_cure_lands_on_the_next_fault_recovers_with_the_cure_after() -> None:
-    """The tenth session's short soak: the poison's rollback put the job on n1, whose armed
+    """The poison's rollback put the job on n1, whose armed
     NaN fault threw away every update of that group at once. The poison recovers with the
     first group after the exclusion that trains on, not never."""
     p = run([(0, 0, 60, "1/1"), (56, 40, 45, "2/2"), (70, 40, 100, "3/3")])
@@ -379,7 +379,7 @@ def test_the_pace_counts_saves_but_not_restarts() -> None:
 
 def test_a_record_behind_another_ranks_unfinished_output_is_kept() -> None:
     """A node's ranks share its log file: rank 1's warning without a newline put rank 0's
-    `train_start` in mid-line, and the soak lost that restart (thirteenth session)."""
+    `train_start` in mid-line, and the soak would lose that restart."""
     record = {"ts": 5, "event": "train_start", "step": 20, "attempt": 2, "job_id": "7"}
     line = "/work/main/megatron_runs/cpu_compat.py:218: UserWarnin" + json.dumps(record)
     assert [s.step for s in parse_lines([line]).starts] == [20]

@@ -87,9 +87,9 @@ def test_retention_keeps_last_complete_and_drops_stale(tmp_path: Path) -> None:
 
 
 def test_retention_keeps_a_time_window_behind_the_newest(tmp_path: Path) -> None:
-    """Saves 0.6 s apart (the ninth session's soak): `keep_last` 3 alone had pruned the last
-    checkpoint before a loss spike by the time it was seen, and the rollback went 1,968 steps
-    back to the one the attempt resumed from."""
+    """Saves 0.6 s apart: `keep_last` 3 alone prunes the last checkpoint before a loss spike
+    by the time the spike is seen, and the rollback goes back to the checkpoint the attempt
+    resumed from (1,968 steps in one soak)."""
     for step in range(10, 110, 10):
         tmp = ck.tmp_dir(tmp_path, step)
         tmp.mkdir(parents=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from megatron_runs.metrics import StepReport, TrainMetrics, metric_names
+from contracts.metric_names import metric_names
+from megatron_runs.metrics import StepReport, TrainMetrics
 
 CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "contracts.md"
 

@@ -39,12 +39,12 @@ from sqlalchemy import select
 
 from supervisor import store
 from supervisor.db import Database
+from supervisor.metrics_in import MetricsView, SourceHealth
 from supervisor.models import Action, ActionState, RunState
 from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, NodeState, Submission
 from supervisor.watchdog import outbox
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
-from supervisor.watchdog.snapshot import MetricsView, SourceHealth
 
 OP_DELAY_S = 0.01
 

@@ -9,6 +9,7 @@ import pytest
 from watchdog_curves import GLOBAL_BATCH, Faults, simulate, snapshot
 
 from contracts.spec import RecoverySpec
+from supervisor.metrics_in import DARK_AFTER_S, MetricSample, MetricsView, SourceHealth
 from supervisor.models import AttemptState
 from supervisor.watchdog.blame import classify_failure
 from supervisor.watchdog.detectors import (
@@ -27,16 +28,7 @@ from supervisor.watchdog.detectors import (
     startup_limit,
 )
 from supervisor.watchdog.policy import rollback_target
-from supervisor.watchdog.snapshot import (
-    DARK_AFTER_S,
-    Cause,
-    CheckpointRef,
-    FindingKind,
-    MetricSample,
-    MetricsView,
-    RunHistory,
-    SourceHealth,
-)
+from supervisor.watchdog.snapshot import Cause, CheckpointRef, FindingKind, RunHistory
 
 
 @pytest.mark.parametrize("steps_per_sample", [1, 3, 7])
@@ -218,9 +210,9 @@ def test_hang_uses_median_step_time_with_a_floor(rc: RecoverySpec) -> None:
 
 
 def test_a_hang_is_seen_not_assumed_across_a_blind_spot(rc: RecoverySpec) -> None:
-    """Prometheus down 11 s in the ninth session's soak: its first answers after the restart
-    held the step before it, and the 14 s since the last step convicted a healthy node. The
-    silence counts up to the newest sample; samples that keep showing it still convict."""
+    """Prometheus down 11 s: its first answers after the restart hold the step before it,
+    and the 14 s since the last step would convict a healthy node. The silence counts up to
+    the newest sample; samples that keep showing it still convict."""
     fast = simulate(7, steps=1700, faults=Faults(hang_at=900), step_seconds=0.1)
     healthy = upto(fast, fast[0].t + 80)  # the last sample before the outage, step ~800
     last = healthy[-1]
@@ -608,9 +600,9 @@ def _soak_samples(
 
 
 def test_soak_spike_seen_in_one_scrape_after_two_restarts_is_found(rc: RecoverySpec) -> None:
-    """The seed-3 soak's miss, replayed: after a crash and a NaN rollback the poisoned
-    window showed in one scrape only, the 5th of the 6 samples held (2 prior + 4 own). A
-    gate counted in scrapes judged no sample before the 6th, so that one was never judged;
+    """A soak's miss, replayed from its TSDB and rank logs: after a crash and a NaN rollback
+    the poisoned window showed in one scrape only, the 5th of the 6 samples held (2 prior +
+    4 own). A gate counted in scrapes judged no sample before the 6th, so that one was never judged;
     counted in steps watched, the 3 samples before it have watched ~60 steps and it is
     judged (10 × a trailing max of 7.7 is 77 < 182)."""
     prior = _soak_samples(_SOAK_SEED3_PRIOR)

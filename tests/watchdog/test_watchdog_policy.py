@@ -8,6 +8,7 @@ import pytest
 from watchdog_curves import GLOBAL_BATCH, snapshot
 
 from contracts.spec import RecoverySpec
+from supervisor.metrics_in import MetricSample, SourceHealth
 from supervisor.models import AttemptState
 from supervisor.slurm import JobState
 from supervisor.watchdog.detectors import detect_all
@@ -23,12 +24,10 @@ from supervisor.watchdog.snapshot import (
     CheckpointRef,
     Finding,
     FindingKind,
-    MetricSample,
     PastRemedy,
     Remedy,
     RemedyKind,
     RunHistory,
-    SourceHealth,
 )
 
 NOW = 1_000_000.0
@@ -205,8 +204,8 @@ def test_restart_storm_escalates_but_requeues_do_not_count(rc: RecoverySpec) -> 
 
 
 def test_restarts_that_held_are_no_storm(rc: RecoverySpec) -> None:
-    """The seed-7 soak escalated at its rank crash: five remedies in 30 min, each the cure of a
-    different fault hundreds of steps apart. Only restarts the run failed again soon after
+    """Five remedies in 30 min, each the cure of a different fault hundreds of steps apart,
+    are no reason to escalate at the next crash. Only restarts the run failed again soon after
     (within `restart_held_steps`) are a storm; one that did not hold still counts."""
     crash = Finding(kind=FindingKind.JOB_FAILED, summary="crash")
     gap = rc.restart_held_steps
@@ -385,8 +384,8 @@ def test_plain_crash_restarts_and_excludes_only_when_it_recurs_on_the_same_node(
 
 
 def test_crashes_far_apart_on_one_node_of_two_are_chance_not_the_node(rc: RecoverySpec) -> None:
-    """The seed-7 soak: a crash 5,000 steps after an unrelated one, on the same node of a
-    2-node job (a coin flip), excluded n4. Only a crash loop (the restart did not hold) or a
+    """A crash 5,000 steps after an unrelated one, on the same node of a 2-node job (a coin
+    flip), must not exclude that node. Only a crash loop (the restart did not hold) or a
     job wide enough that chance rarely repeats a node blames it."""
     held = rc.restart_held_steps
 

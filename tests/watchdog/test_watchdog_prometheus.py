@@ -12,31 +12,28 @@ import pytest
 from prom_harness import Exporter, PrometheusServer
 
 from contracts.spec import RecoverySpec
-from supervisor.models import AttemptState
-from supervisor.prometheus import (
+from supervisor.metrics_in import (
     DARK_AFTER_S,
-    QUERIED_FIELDS,
-    REFUSED_WITHIN_S,
+    MetricSample,
+    MetricsView,
     PrometheusSource,
     PrometheusUnavailable,
-    SampleHistory,
     ScrapeSource,
+    SourceHealth,
     Target,
-    assemble,
-    parse_series,
 )
+from supervisor.metrics_in.promql import QUERIED_FIELDS, assemble, parse_series
+from supervisor.metrics_in.samples import REFUSED_WITHIN_S, SampleHistory
+from supervisor.models import AttemptState
 from supervisor.watchdog.detectors import detect_all, detect_nonfinite
 from supervisor.watchdog.policy import decide
 from supervisor.watchdog.snapshot import (
     Cause,
     FindingKind,
     JobView,
-    MetricSample,
-    MetricsView,
     RemedyKind,
     RunHistory,
     Snapshot,
-    SourceHealth,
 )
 
 pytestmark = pytest.mark.integration

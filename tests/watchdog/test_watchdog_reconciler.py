@@ -15,8 +15,9 @@ from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_chec
 from contracts.checkpoints import pinned
 from contracts.paths import checkpoint_dir
 from contracts.spec import RunSpec
-from supervisor import store
+from supervisor import accounting, store
 from supervisor.db import Database
+from supervisor.metrics_in import MetricSample
 from supervisor.models import (
     Action,
     ActionState,
@@ -32,11 +33,10 @@ from supervisor.models import (
     RunState,
 )
 from supervisor.slurm import JobState, JobStatus, SourceUnavailable
-from supervisor.watchdog import accounting
 from supervisor.watchdog.blame import log_cause
 from supervisor.watchdog.observe import job_view
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
-from supervisor.watchdog.snapshot import Cause, FindingKind, MetricSample, RemedyKind
+from supervisor.watchdog.snapshot import Cause, FindingKind, RemedyKind
 from supervisor.watchdog.telemetry import WatchdogMetrics
 
 
@@ -431,8 +431,8 @@ def test_peer_crash_in_the_log_restarts_and_never_excludes_an_address(
 def test_startup_hang_limit_is_learned_from_the_runs_own_startups(
     db: Database, tmp_path: Path
 ) -> None:
-    """S5 in the seed-7 soak: a job placed on a node that hangs before the first step was
-    judged only after 10 hang floors. Attempt 1 took 15 s to its first step, so attempt 2 is
+    """A job placed on a node that hangs before the first step must not wait 10 hang floors
+    to be judged. Attempt 1 took 15 s to its first step, so attempt 2 is
     hung after max(2 floors, 3 × 15 s) = 120 s (floor 60 s), not after 600 s."""
     cluster, source = FakeCluster(), FakeSource()
     offset = [0.0]

@@ -12,15 +12,10 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from contracts.metric_names import WINDOW_STEPS
+from supervisor.metrics_in import MetricSample, MetricsView, SourceHealth
 from supervisor.models import AttemptState
-from supervisor.watchdog.snapshot import (
-    METRIC_WINDOW_STEPS,
-    JobView,
-    MetricSample,
-    MetricsView,
-    Snapshot,
-    SourceHealth,
-)
+from supervisor.watchdog.snapshot import JobView, Snapshot
 
 GLOBAL_BATCH = 8
 
@@ -100,8 +95,8 @@ def simulate(
         done = len(losses)
         if step % steps_per_sample:
             continue
-        win = losses[-METRIC_WINDOW_STEPS:]
-        gwin = grads[-METRIC_WINDOW_STEPS:]
+        win = losses[-WINDOW_STEPS:]
+        gwin = grads[-WINDOW_STEPS:]
         slow = f.slow_from is not None and done >= f.slow_from
         tps = GLOBAL_BATCH * 128 / step_seconds * rng.uniform(0.95, 1.05) * (0.3 if slow else 1)
         step_time = {

@@ -1,7 +1,7 @@
 """Fakes for the reconciler's unit tests: a cluster and a metrics source the test steers.
 
 They implement the same interfaces as `supervisor.slurm.Cluster` and
-`supervisor.prometheus.MetricSource`; the database, store, policy and actuator are real.
+`supervisor.metrics_in.MetricSource`; the database, store, policy and actuator are real.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 from contracts.checkpoints import step_dir, write_meta
+from supervisor.metrics_in import MetricSample, MetricsView, SourceHealth
 from supervisor.slurm import (
     JobRequest,
     JobState,
@@ -24,7 +25,6 @@ from supervisor.slurm import (
     SourceUnavailable,
     Submission,
 )
-from supervisor.watchdog.snapshot import MetricSample, MetricsView, SourceHealth
 
 TINY_SPEC = {
     "name": "tiny",

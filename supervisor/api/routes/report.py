@@ -3,7 +3,7 @@
 Reads the run's rows, turns them into plain dicts and lets the pure `supervisor.report` do the
 arithmetic. The loss curve comes from `app.state.loss_history` when the app has one (a
 callable `run_id -> list[LossPoint]`, e.g. a Prometheus range query joined by
-`supervisor.report.loss_from_matrix`), else from the losses the checkpoints recorded.
+`supervisor.metrics_in.promql.loss_from_matrix`), else from the losses the checkpoints recorded.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from supervisor.watchdog.snapshot import MetricSample
+from supervisor.metrics_in import MetricSample
 
 
 def detection_latency(fault_ts: float | None, detected_ts: float) -> float | None:

@@ -1,0 +1,140 @@
+"""`ScrapeSource`: the watchdog's metrics scraped from the workers' endpoints directly (the
+embedded default when no Prometheus server is configured), parsed by prometheus_client.
+
+A node whose endpoint alone fails is reported beside the view, with how long its answering
+peers have stood still, rather than failing the whole view: as `dark_nodes` when its host
+answers nothing (frozen, dead, cut off), as `exited_nodes` when the host refuses the
+connection (its training processes are gone, the host is not).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.metrics_in.samples import (
+    NONFINITE_GRADS,
+    PRIMARY_MARKER,
+    STEP_ENTERED,
+    STEP_TIME,
+    SampleHistory,
+    build_sample,
+)
+from supervisor.metrics_in.types import MetricsView, RunKey, SourceHealth
+
+log = logging.getLogger("nightwatch.metrics_in")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One worker node's registered metrics endpoint."""
+
+    run_id: str
+    attempt: int
+    node: str
+    host: str
+    port: int
+
+    @property
+    def key(self) -> RunKey:
+        return (self.run_id, self.attempt)
+
+
+def parse_exposition(text: str) -> dict[str, float]:
+    """Sample name → value of one endpoint's text exposition (pure)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = s.value
+    return out
+
+
+class ScrapeSource:
+    """Scrape the registered worker endpoints directly; one sample per run per tick."""
+
+    name = "scrape"
+
+    def __init__(
+        self,
+        targets: Callable[[], Sequence[Target]],
+        *,
+        window_s: float = 600.0,
+        stale_after_s: float = 30.0,
+        timeout_s: float = 2.0,
+        parallel: int = 8,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.targets = targets
+        self.history = SampleHistory(window_s, stale_after_s)
+        self._client = client or httpx.Client(timeout=timeout_s)
+        self._parallel = parallel
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _scrape(self, target: Target) -> tuple[dict[str, float] | None, float]:
+        """The endpoint's values (None when the scrape failed) and how long it took."""
+        started = time.monotonic()
+        try:
+            resp = self._client.get(f"http://{target.host}:{target.port}/metrics")
+            resp.raise_for_status()
+            return parse_exposition(resp.text), time.monotonic() - started
+        except (httpx.HTTPError, ValueError) as exc:
+            log.info(
+                f"scrape of {target.node} failed: {exc}",
+                extra={"run_id": target.run_id, "attempt": target.attempt},
+            )
+            return None, time.monotonic() - started
+
+    def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]:
+        wanted = set(keys)
+        targets = [t for t in self.targets() if t.key in wanted]
+        with ThreadPoolExecutor(self._parallel) as pool:
+            scraped = list(pool.map(self._scrape, targets))
+        t = time.time()
+        by_key: dict[RunKey, list[tuple[Target, dict[str, float] | None]]] = {}
+        took: dict[Target, float] = {}
+        for target, (values, seconds) in zip(targets, scraped, strict=True):
+            by_key.setdefault(target.key, []).append((target, values))
+            took[target] = seconds
+        failed: set[RunKey] = set()
+        behind: dict[RunKey, list[str]] = {}
+        dark: dict[RunKey, dict[str, float]] = {}
+        peer_steps: dict[RunKey, float] = {}
+        for key, results in by_key.items():
+            ok = [(tg, v) for tg, v in results if v is not None]
+            if not ok:
+                failed.add(key)
+                continue
+            entered = {tg.node: v[STEP_ENTERED] for tg, v in ok if STEP_ENTERED in v}
+            furthest = max(entered.values(), default=None)
+            if len(ok) < len(results):
+                dark[key] = {tg.node: took[tg] for tg, v in results if v is None}
+                if furthest is not None:
+                    peer_steps[key] = furthest
+            # A node that is not the primary exports its own run-level values; only with every
+            # node answering may the first stand in for a primary not yet marked.
+            primary = next((v for _, v in ok if PRIMARY_MARKER in v), None)
+            if primary is None and key not in dark:
+                primary = ok[0][1]
+            if primary is not None:
+                step_time = {tg.node: v[STEP_TIME] for tg, v in ok if STEP_TIME in v}
+                self.history.add(key, build_sample(t, primary, step_time))
+            self.history.add_nonfinite_nodes(
+                key, (tg.node for tg, v in ok if v.get(NONFINITE_GRADS, 0) > 0)
+            )
+            if furthest is not None:
+                behind[key] = [node for node, step in entered.items() if step < furthest]
+        self.history.set_lagging_nodes(behind)
+        self.history.set_dark(dark, peer_steps, now)
+        self.history.forget_except(keys)
+        return {
+            k: self.history.view(k, now, SourceHealth.DOWN if k in failed else SourceHealth.UP)
+            for k in keys
+        }
