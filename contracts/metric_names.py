@@ -26,7 +26,7 @@ NODE_METRICS = {
 RUN_METRICS = {
     "target_steps": ("gauge", "train_steps of the spec"),
     "loss": ("gauge", "loss of the last step"),
-    "loss_sum": ("counter_raw", "sum of losses"),
+    "loss_summed": ("counter", "sum of the losses of all steps"),
     "loss_window_max": ("gauge", "max loss over the last 16 steps"),
     "loss_window_min": ("gauge", "min loss over the last 16 steps"),
     "grad_norm": ("gauge", "grad norm of the last step"),
@@ -49,7 +49,7 @@ RUN_METRICS = {
 
 def exposed(key: str) -> str:
     """The sample name Prometheus sees for a metric of the tables above (counters end in
-    `_total`; `loss_sum` is monotonic but keeps its name, see `megatron_runs.metrics`)."""
+    `_total`)."""
     kind, _ = {**NODE_METRICS, **RUN_METRICS}[key]
     return PREFIX + key + ("_total" if kind == "counter" else "")
 

@@ -44,8 +44,6 @@ class TrainMetrics:
         self._m: dict[str, object] = {}
         table = {**NODE_METRICS, **(RUN_METRICS if run_level else {})}
         for name, (kind, doc) in table.items():
-            # loss_sum is monotonic but named without `_total` by the contract: a Gauge
-            # keeps the exact name (a Counter would be exposed as `..._sum_total`).
             cls = Counter if kind == "counter" else Gauge
             metric = cls(PREFIX + name, doc, LABELS, registry=self.registry)
             self._m[name] = metric.labels(**labels)
@@ -91,7 +89,7 @@ class TrainMetrics:
         if not finite:
             m["nonfinite_steps"].inc()
         if math.isfinite(r.loss):
-            m["loss_sum"].inc(r.loss)
+            m["loss_summed"].inc(r.loss)
         # Windows keep NaN/Inf out of max/min (a NaN poisons comparisons), but an Inf loss
         # is kept as the max so it stays visible for the whole window.
         self._losses.append(r.loss if not math.isnan(r.loss) else -math.inf)

@@ -1,5 +1,7 @@
 """The typer apps that command modules attach to (kept apart so modules import no siblings)."""
 
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(
@@ -15,3 +17,21 @@ data_app = typer.Typer(help="Training data.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
 app.add_typer(data_app, name="data")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        typer.echo(f"nightwatch {version('nightwatch')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print it."),
+    ] = False,
+) -> None:
+    pass

@@ -63,11 +63,26 @@ def serve(
 
     app_ = create_app(settings, database=db)
     loop = _start_reconciler(settings, db, app_.state.registry, app_.state.metrics, reconciler)
+    _announce(settings, db, host, port, workers, loop)
     try:
         uvicorn.run(app_, host=host, port=port, access_log=False)
     finally:
         if loop is not None:
             loop.stop()
+
+
+def _announce(
+    settings: Settings, db: Database, host: str, port: int, workers: int, loop: Reconciler | None
+) -> None:
+    """One line on stderr saying what this server chose, before it starts serving."""
+    metrics = settings.prometheus_url or "direct scrape of the workers (no Prometheus)"
+    executor = type(loop.cluster).__name__ if loop is not None else "none (--no-reconciler)"
+    typer.echo(
+        f"nightwatch serving http://{host}:{port} ({workers} API process(es)); "
+        f"database {db.engine.url.render_as_string(hide_password=True)}; jobs: {executor}; "
+        f"metrics: {metrics}; home {settings.home}",
+        err=True,
+    )
 
 
 def _start_reconciler(
@@ -104,6 +119,7 @@ def _serve_workers(
     loop = _start_reconciler(settings, db, registry, None, reconciler)
     writer = MetricsFileWriter(registry, metrics_dir, settings.tick_seconds)
     writer.start()
+    _announce(settings, db, host, port, workers, loop)
     try:
         workers_mode.serve(host, port, workers)
     except OSError as exc:

@@ -23,7 +23,7 @@ RUN_FIELDS: dict[str, str] = {
     "steps_total": exposed("steps"),
     "target_steps": exposed("target_steps"),
     "loss": exposed("loss"),
-    "loss_sum": exposed("loss_sum"),
+    "loss_sum": exposed("loss_summed"),
     "loss_window_max": exposed("loss_window_max"),
     "loss_window_min": exposed("loss_window_min"),
     "grad_norm": exposed("grad_norm"),

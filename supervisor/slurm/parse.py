@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import hostlist
+
 from supervisor.slurm.types import (
     JobState,
     JobStatus,
@@ -36,36 +38,12 @@ _JOB_ID = re.compile(r"\d+(_\d+)?")
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """`n[1-3,5],gpu07` → ['n1','n2','n3','n5','gpu07'] (SLURM's compressed host lists)."""
+    """`n[1-3,5],rack[1-2]-n[01-02]` → host names, in order (python-hostlist parses SLURM's
+    compressed host lists, several bracket groups in one name included)."""
     text = text.strip()
     if not text or text.startswith("None"):
         return []
-    parts: list[str] = []
-    depth, start = 0, 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    hosts: list[str] = []
-    for part in parts:
-        match = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\](.*)", part)
-        if not match:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for rng in ranges.split(","):
-            lo, _, hi = rng.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            width = len(lo)
-            hosts.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(int(lo), int(hi) + 1))
-    return hosts
+    return hostlist.expand_hostlist(text)
 
 
 def parse_state(raw: str) -> JobState:

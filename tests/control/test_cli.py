@@ -279,3 +279,12 @@ def test_serve_migrates_and_answers(tmp_path: Path) -> None:
     assert (tmp_path / "nightwatch.db").exists()
     access = [json.loads(line) for line in stderr.decode().splitlines() if line.startswith("{")]
     assert {"msg": "request", "path": "/v1/runs", "status": 401}.items() <= access[-1].items()
+    (chosen,) = [line for line in stderr.decode().splitlines() if "nightwatch serving" in line]
+    assert f"http://127.0.0.1:{port} (1 API process(es))" in chosen
+    assert f"database sqlite:///{tmp_path / 'nightwatch.db'}" in chosen
+    assert "jobs: none (--no-reconciler)" in chosen and "metrics: direct scrape" in chosen
+
+
+def test_version() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.stdout.strip().startswith("nightwatch 0.")

@@ -38,6 +38,7 @@ from supervisor.slurm.parse import (
         ("n[1,3]", ["n1", "n3"]),
         ("gpu[007-009,012],login1", ["gpu007", "gpu008", "gpu009", "gpu012", "login1"]),
         ("rack[1-2]-a", ["rack1-a", "rack2-a"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
         ("None assigned", []),
         ("", []),
     ],

@@ -124,7 +124,8 @@ def _contract_names() -> set[str]:
 
 def test_every_metric_name_is_in_the_contract() -> None:
     names = _contract_names()
-    assert "nightwatch_train_loss_sum" in names and "nightwatch_supervisor_mttr_seconds" in names
+    assert "nightwatch_train_loss_summed_total" in names
+    assert "nightwatch_supervisor_mttr_seconds" in names
     for q in all_queries():
         for s in selectors(q.expr):
             name = s.split("{")[0]

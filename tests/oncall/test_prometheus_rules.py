@@ -123,3 +123,18 @@ def test_a_process_before_its_first_step_shows_no_measurement(tmp_path: Path) ->
     (tmp_path / "placeholders_test.yml").write_text(yaml.safe_dump(suite))
     result = promtool("test", "rules", "placeholders_test.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_trainers_exposition_passes_promtool_check_metrics() -> None:
+    """Names and types as Prometheus' own linter wants them (counters end in `_total`, no
+    `_sum` outside summaries and histograms), for the run-level endpoint of global rank 0."""
+    from prometheus_client import generate_latest
+
+    from megatron_runs.metrics import TrainMetrics
+
+    exposition = generate_latest(TrainMetrics("r-0", 1, "n1", run_level=True).registry)
+    binary = shutil.which("promtool")
+    assert binary is not None, "`promtool` is required (Debian package prometheus)"
+    result = subprocess.run([binary, "check", "metrics"], input=exposition.decode(),
+                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stderr

@@ -62,12 +62,12 @@ def test_window_keeps_a_spike_and_nan_visible_between_scrapes() -> None:
     assert v["nightwatch_train_loss_window_max"] == 30.0
     assert v["nightwatch_train_loss_window_min"] == 2.9
     assert v["nightwatch_train_grad_norm_window_max"] == 50.0
-    assert v["nightwatch_train_loss_sum"] == 41.9
+    assert v["nightwatch_train_loss_summed_total"] == 41.9
     m.on_step(_report(6, math.nan, norm=math.nan))
     v = _values(m)
     assert v["nightwatch_train_nonfinite_steps_total"] == 1
     assert v["nightwatch_train_loss_window_max"] == 30.0  # NaN does not hide the spike
-    assert v["nightwatch_train_loss_sum"] == 41.9
+    assert v["nightwatch_train_loss_summed_total"] == 41.9
     for step in range(7, 7 + 16):
         m.on_step(_report(step, 2.0))
     assert _values(m)["nightwatch_train_loss_window_max"] == 2.0  # spike left the window

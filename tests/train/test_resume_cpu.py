@@ -194,7 +194,7 @@ def test_every_contract_metric_is_exposed_and_moves(scenario) -> None:
     for name in (
         "nightwatch_train_step",
         "nightwatch_train_tokens_total",
-        "nightwatch_train_loss_sum",
+        "nightwatch_train_loss_summed_total",
     ):
         assert last[name] > first[name], name
     assert last["nightwatch_train_samples_consumed"] > first["nightwatch_train_samples_consumed"]
