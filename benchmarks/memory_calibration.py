@@ -4,7 +4,9 @@ Each layout trains the 1.3B GPT (24 × 2048, seq 2048, bf16) for a few steps on 
 GPUs through the real training program (`benchmarks/memory_probe.py` wraps its CLI); the ranks
 are stopped once the last step is logged, before the final checkpoint. The measured peak is the
 largest over ranks of the device's used memory (PyTorch's pool, the CUDA context, NCCL); a
-layout that runs out of memory is reported as such. Error = estimate / measured - 1.
+layout that runs out of memory is reported as such. Error = estimate / measured - 1. Each
+layout also reports its median step time (steps 3-6) and MFU against the H100's bf16 peak, as
+`benchmarks/train_gpu.py` does.
 
     python benchmarks/memory_calibration.py --out OUT_DIR [--layouts dp4-mb8 ...]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from contracts.spec import RunSpec  # noqa: E402
 from megatron_runs.launch_local import launch  # noqa: E402
+from megatron_runs.schedule import H100_BF16_PEAK, flops_per_token  # noqa: E402
 from supervisor.layout import GB, memory_estimate  # noqa: E402
 
 #: name → (tensor, pipeline, data, micro batch, distributed optimizer)
@@ -107,7 +111,12 @@ def measure(out: Path, name: str, gpu_memory_gib: float) -> dict:
     }  # fmt: skip
     if peaks and len(steps) == STEPS:
         used = max(p["device_used"] for p in peaks)
+        rs = RunSpec.model_validate(spec)
+        step_s = statistics.median(e["step_time"] for e in steps[2:])
+        tokens = rs.training.global_batch_size * rs.model.seq_length
         result.update(
+            step_time_s=round(step_s, 4),
+            mfu=round(flops_per_token(rs) * tokens / (step_s * nproc * H100_BF16_PEAK), 4),
             measured_gb=round(used / GB, 2),
             allocated_gb=round(max(p["allocated"] for p in peaks) / GB, 2),
             reserved_gb=round(max(p["reserved"] for p in peaks) / GB, 2),
