@@ -20,12 +20,13 @@ RUN pip install torch==2.13.0 \
  && pip install --only-binary=:all: 'numpy>=1.26' \
  && pip install --ignore-requires-python megatron-core==0.19.2
 
+COPY contracts contracts
 COPY supervisor supervisor
 COPY worker worker
 COPY megatron_runs megatron_runs
 COPY migrations migrations
 # Editable, so supervisor.db finds migrations/ beside the package.
-RUN pip install -e . \
+RUN pip install -e '.[train,postgres,plot]' \
  && useradd --system --create-home --home-dir /var/lib/nightwatch nightwatch
 
 USER nightwatch

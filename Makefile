@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	# but runs on 3.11 (pyproject pins the same version for 3.12+).
 	$(BIN)/pip install -q --only-binary=:all: 'numpy>=1.26'
 	$(BIN)/pip install -q --ignore-requires-python megatron-core==0.19.2
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[train,postgres,plot,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from supervisor.cli._app import app
-from supervisor.cli._common import Api
+from supervisor.cli._common import Api, fail
 
 
 class ReportFormat(StrEnum):
@@ -38,7 +38,9 @@ def report(
     else:
         typer.echo(render_text(Report.from_dict(body)), nl=False)
     if plot is not None:
-        from supervisor.report_plot import render_png
-
+        try:
+            from supervisor.report_plot import render_png
+        except ImportError as exc:
+            fail(f"--plot needs matplotlib: pip install 'nightwatch[plot]' ({exc})")
         render_png(Report.from_dict(body), plot)
         typer.echo(f"plot written to {plot}", err=True)
