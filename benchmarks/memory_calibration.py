@@ -61,17 +61,6 @@ def spec_for(name: str, gpu_memory_gib: float) -> dict:
     }  # fmt: skip
 
 
-def _events(log: Path) -> list[dict]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"event"' in line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
 def measure(out: Path, name: str, gpu_memory_gib: float) -> dict:
     work = out / name
     shutil.rmtree(work, ignore_errors=True)
@@ -94,7 +83,7 @@ def measure(out: Path, name: str, gpu_memory_gib: float) -> dict:
     except TimeoutError:
         codes = ["timeout"]
     text = "".join(p.read_text(errors="replace") for p in run.logs)
-    steps = [e for e in _events(run.logs[0]) if e["event"] == "step"]
+    steps = [e for e in run.events() if e["event"] == "step"]
     peaks = [json.loads(p.read_text()) for p in sorted((work / "probe").glob("rank*.json"))]
     estimate = memory_estimate(RunSpec.model_validate(spec))
     result = {

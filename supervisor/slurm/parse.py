@@ -80,16 +80,22 @@ def parse_sacct(text: str) -> dict[str, JobStatus]:
             raise SourceUnavailable(f"unexpected sacct line: {line!r}")
         job_id, raw_state, exit_text, nodelist, reason = cols[: len(SACCT_FIELDS)]
         code, sig = parse_exit_code(exit_text)
-        out[job_id] = JobStatus(
-            job_id=job_id,
-            state=parse_state(raw_state),
-            nodes=tuple(expand_hostlist(nodelist)),
-            exit_code=code,
-            exit_signal=sig,
-            reason="" if reason == "None" else reason,
-            raw_state=raw_state,
-        )
+        out[job_id] = _status(job_id, raw_state, nodelist, reason, code, sig)
     return out
+
+
+def _status(
+    job_id: str, raw_state: str, nodelist: str, reason: str, code: int | None, sig: int | None
+) -> JobStatus:
+    return JobStatus(
+        job_id=job_id,
+        state=parse_state(raw_state),
+        nodes=tuple(expand_hostlist(nodelist)),
+        exit_code=code,
+        exit_signal=sig,
+        reason="" if reason == "None" else reason,
+        raw_state=raw_state,
+    )
 
 
 SQUEUE_FORMAT = "JobID:|,State:|,NodeList:|,Reason:|,exit_code:|"
@@ -114,15 +120,7 @@ def parse_squeue(text: str) -> dict[str, JobStatus]:
             code, sig = None, None
         else:
             code, sig = wait_status >> 8, wait_status & 0x7F
-        out[job_id] = JobStatus(
-            job_id=job_id,
-            state=parse_state(raw_state),
-            nodes=tuple(expand_hostlist(nodelist)),
-            exit_code=code,
-            exit_signal=sig,
-            reason="" if reason == "None" else reason,
-            raw_state=raw_state,
-        )
+        out[job_id] = _status(job_id, raw_state, nodelist, reason, code, sig)
     return out
 
 
