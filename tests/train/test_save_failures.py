@@ -31,13 +31,15 @@ class _Events:
 def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
     """One rank of a 2-rank gloo job that saves at step 10 (megatron's writer stubbed). It
     imports the training loop here, in the spawned process: megatron stays out of pytest's."""
-    from megatron_runs import loop, saver
+    from megatron_runs import setup  # first: its CPU stand-ins must precede megatron's import
 
-    dist_ckpt, torch = loop.dist_ckpt, loop.torch
+    torch = setup.torch
+    from megatron_runs import dist_ckpt, saver
+
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2
     )
-    loop.ps.initialize_model_parallel(1, 1)
+    setup.ps.initialize_model_parallel(1, 1)
 
     def write(state: dict, path: str, *args: Any, **kwargs: Any) -> None:
         if dies and rank == 1:
