@@ -106,10 +106,27 @@ def test_run_dashboard_covers_what_on_call_asked_for() -> None:
     for needed in ("loss", "grad norm", "tokens/s", "mfu", "step time per node", "progress",
                    "eta", "checkpoint age", "replica", "incidents", "ettr"):  # fmt: skip
         assert needed in titles, needed
+    for needed in ("since last step", "run state"):
+        assert needed in titles, needed
     grad = next(p for p in _panels(_dashboards()["run.json"]) if p["title"] == "Grad norm")
     steps = grad["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert steps[-1]["value"] == 10
     assert grad["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "line"
+
+
+def test_fleet_and_run_link_to_each_other_and_runs_open_their_dashboard() -> None:
+    boards = _dashboards()
+    assert [link["url"] for link in boards["run.json"]["links"]] == [
+        "/d/nightwatch-fleet/nightwatch-fleet"
+    ]
+    assert [link["url"] for link in boards["fleet.json"]["links"]] == [
+        "/d/nightwatch-run/nightwatch-run"
+    ]
+    by_run = next(
+        p for p in _panels(boards["fleet.json"]) if p["title"] == "ETTR and budget by run"
+    )
+    (link,) = by_run["fieldConfig"]["defaults"]["links"]
+    assert "var-run_id=${__data.fields.run_id}" in link["url"]
 
 
 def _contract_names() -> set[str]:
