@@ -209,6 +209,9 @@ class Run(Base):
     target_steps: Mapped[int] = mapped_column(BigInteger)
     last_step: Mapped[int | None] = mapped_column(BigInteger)
     resume_step: Mapped[int | None] = mapped_column(BigInteger)
+    progress_json: Mapped[dict[str, Any] | None] = mapped_column(
+        doc="What the watchdog last observed of the run (supervisor.watchdog.progress)."
+    )
 
 
 class Attempt(Base):

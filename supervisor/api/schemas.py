@@ -48,6 +48,21 @@ class AttemptOut(BaseModel):
     exclude: list[Any] = Field(validation_alias="exclude_json")
 
 
+class ProgressOut(BaseModel):
+    """What the watchdog last observed of the run, refreshed every tick while it trains."""
+
+    step: int
+    target_steps: int
+    loss: float | None
+    grad_norm: float | None
+    tokens_per_second: float | None
+    step_seconds: float | None = Field(description="Typical seconds per step lately.")
+    eta_seconds: float | None = Field(description="Steps left × step_seconds.")
+    checkpoint_step: int | None = Field(description="Newest complete checkpoint on disk.")
+    ettr: float | None = Field(description="Effective training time ratio so far.")
+    observed_at: float = Field(description="Unix seconds of the observation.")
+
+
 class RunOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -60,6 +75,11 @@ class RunOut(BaseModel):
     target_steps: int
     last_step: int | None
     resume_step: int | None
+    progress: ProgressOut | None = Field(
+        default=None,
+        validation_alias="progress_json",
+        description="Live progress while the run trains; null before its first observed step.",
+    )
     skip_ranges: list[Any] = Field(validation_alias="skip_ranges_json")
     excluded_nodes: list[Any] = Field(validation_alias="excluded_nodes_json")
     created_by: str | None = Field(description="Id of the token that submitted it.")

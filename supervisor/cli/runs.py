@@ -79,15 +79,44 @@ def submit(
     typer.echo(run["id"])
     if not wait:
         return
-    state = run["state"]
+    state, shown, after = run["state"], None, 0
     while state not in FINAL_STATES:
         time.sleep(poll_seconds)
-        new = api.json("GET", f"/v1/runs/{run['id']}")["state"]
-        if new != state:
-            typer.echo(f"{run['id']}: {new}", err=True)
-        state = new
+        now = api.json("GET", f"/v1/runs/{run['id']}")
+        page = api.json("GET", f"/v1/runs/{run['id']}/events", params={"after": after})
+        for e in page["items"]:
+            if e["kind"] in ("incident", "action_intent"):
+                typer.echo(f"{run['id']}: {e['kind'].replace('_', ' ')}: {e['message']}", err=True)
+        after = page["next_after"] or after
+        line = progress_text(now["progress"])
+        if now["state"] != state or line != shown:
+            typer.echo(f"{run['id']}: {now['state']}  {line}".rstrip(), err=True)
+        state, shown = now["state"], line
     if state != "succeeded":
         fail(f"run {run['id']} ended {state}")
+
+
+def progress_text(p: dict[str, Any] | None) -> str:
+    """`step 120/1000 (12%)  loss 3.21  1,234 tok/s  ETA 1h02m  ckpt 100  ETTR 0.97`."""
+    if not p:
+        return ""
+    parts = [f"step {p['step']}/{p['target_steps']} ({100 * p['step'] // p['target_steps']}%)"]
+    if p["loss"] is not None:
+        parts.append(f"loss {p['loss']:.4g}")
+    if p["tokens_per_second"]:
+        parts.append(f"{p['tokens_per_second']:,.0f} tok/s")
+    if p["eta_seconds"] is not None:
+        parts.append(f"ETA {duration(p['eta_seconds'])}")
+    if p["checkpoint_step"] is not None:
+        parts.append(f"ckpt {p['checkpoint_step']}")
+    if p["ettr"] is not None:
+        parts.append(f"ETTR {p['ettr']:.2f}")
+    return "  ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def _print_preview(spec: Any) -> None:
@@ -118,10 +147,15 @@ def list_runs(
     if as_json:
         typer.echo(json.dumps(page, indent=2))
         return
+    typer.echo(f"{'RUN':<15} {'STATE':<15} {'NAME':<24} {'STEP':>15} {'ETA':>8} "
+               f"{'ATTEMPT':>7}  CREATED")  # fmt: skip
     for r in page["items"]:
-        step = r["last_step"] if r["last_step"] is not None else "-"
-        typer.echo(f"{r['id']}  {r['state']:<15} {r['name']:<24} step {step}/{r['target_steps']}"
-                   f"  attempt {r['current_attempt']}  {r['created_at']}")  # fmt: skip
+        p = r["progress"] or {}
+        step = p.get("step", r["last_step"])
+        steps = f"{'-' if step is None else step}/{r['target_steps']}"
+        eta = duration(p["eta_seconds"]) if p.get("eta_seconds") is not None else "-"
+        typer.echo(f"{r['id']:<15} {r['state']:<15} {r['name']:<24} {steps:>15} {eta:>8} "
+                   f"{r['current_attempt']:>7}  {r['created_at'][:19]}")  # fmt: skip
     typer.echo(f"{len(page['items'])} of {page['total']} runs", err=True)
 
 
@@ -146,6 +180,7 @@ def status(run: str, as_json: JsonOption = False) -> None:
         "created_at",
     ):
         typer.echo(f"{key:<17} {r[key]}")  # fmt: skip
+    typer.echo(f"{'progress':<17} {progress_text(r['progress']) or '-'}")
     for a in r["attempts"]:
         typer.echo(f"attempt {a['number']}: job {a['job_id']} {a['state']} on {a['nodes']} "
                    f"exit {a['exit_code']} {a['end_reason'] or ''}".rstrip())  # fmt: skip

@@ -156,6 +156,12 @@ class Ledger:
         incidents[:] = left
         return recovered
 
+    def record_progress(self, progress: dict[str, dict[str, Any]]) -> None:
+        """The tick's observed progress of every run that moved, in one transaction."""
+        if progress:
+            with self.db.write_session() as s:
+                store.set_progress(s, progress)
+
     def record_checkpoints(self, run: Run, unrecorded: Sequence[CheckpointInfo]) -> None:
         """Checkpoints found on disk that the database does not list yet."""
         if unrecorded:

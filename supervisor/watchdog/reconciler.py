@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -45,6 +46,7 @@ from supervisor.watchdog.lease import Deposed, LeaseGuard
 from supervisor.watchdog.ledger import Ledger
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.observe import Observer, World, job_view, ts
+from supervisor.watchdog.progress import changed, observed_progress
 from supervisor.watchdog.snapshot import Finding, Remedy, RemedyKind, Snapshot
 from supervisor.watchdog.telemetry import Telemetry
 
@@ -101,6 +103,8 @@ class TickResult:
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the tick
     cpu_s: float = 0.0  # CPU time of this process during the tick (robust on a busy machine)
     ettr_refreshes: int = 0
+    #: Runs whose observed progress changed this tick (run id → supervisor.watchdog.progress).
+    progress: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class Reconciler:
@@ -203,6 +207,7 @@ class Reconciler:
                 result, run, "reconcile failed", self._reconcile, run, world, now, result
             )
         result.runs = len(world.watched)
+        self.ledger.record_progress(result.progress)
         result.phases["runs"] = time.perf_counter() - mark
         self._cancel_strays()
 
@@ -335,6 +340,11 @@ class Reconciler:
             self.telemetry.run_finished(run.id)
             return Outcome(Next.TERMINAL, f"reached step {disk.step}")
         self.telemetry.run_seen(run.id, disk.checkpoints, view, now)
+        seen = observed_progress(
+            view, run.target_steps, disk.step, self.telemetry.last_ettr.get(run.id), now
+        )
+        if seen is not None and changed(run.progress_json, seen):
+            result.progress[run.id] = seen
         # detect
         findings = detect_all(snap, spec.recovery)
         if not findings:

@@ -135,6 +135,7 @@ class Telemetry:
         self.metrics = WatchdogMetrics(registry)
         self.supervisor_metrics = supervisor_metrics
         self._ettr_exported: dict[str, float] = {}  # run → when its ETTR gauge was last set
+        self.last_ettr: dict[str, float] = {}  # run → the ETTR it was last set to
         self._refreshes = 0
 
     def tick_started(self) -> None:
@@ -207,10 +208,12 @@ class Telemetry:
     def keep_runs(self, run_ids: set[str]) -> None:
         """Forget the refresh times of runs no longer watched (ended or deleted)."""
         self._ettr_exported = {k: v for k, v in self._ettr_exported.items() if k in run_ids}
+        self.last_ettr = {k: v for k, v in self.last_ettr.items() if k in run_ids}
 
     def run_finished(self, run_id: str) -> None:
         self.metrics.forget_run(run_id)
         self._ettr_exported.pop(run_id, None)
+        self.last_ettr.pop(run_id, None)
 
     def ettr(self, run_id: str, view: MetricsView, now: float) -> None:
         """ETTR gauge: steps reached come from the incidents (step before each fault), the
@@ -238,3 +241,4 @@ class Telemetry:
         self._ettr_exported[run_id] = now  # unknown (no step time yet) waits its turn too
         if ettr is not None:
             self.metrics.run_ettr.labels(run_id=run_id).set(ettr)
+            self.last_ettr[run_id] = ettr

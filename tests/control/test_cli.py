@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from supervisor import store
 from supervisor.cli import app
 from supervisor.db import Database
-from supervisor.models import RunState
+from supervisor.models import EventKind, RunState
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 runner = CliRunner()
@@ -168,6 +168,12 @@ def test_submit_wait_follows_the_run_to_its_end(
                     run_id = pending[0].id
                     store.transition_run(s, run_id, RunState.SUBMITTED)
                     store.transition_run(s, run_id, RunState.RUNNING)
+                    store.set_progress(s, {run_id: {
+                        "step": 30, "target_steps": 60, "loss": 3.25, "grad_norm": None,
+                        "tokens_per_second": None, "step_seconds": 0.5, "eta_seconds": 15.0,
+                        "checkpoint_step": None, "ettr": None, "observed_at": 1.0}})  # fmt: skip
+                    store.add_event(s, run_id, EventKind.INCIDENT, "loss_spike at step 29")
+                    threading.Event().wait(0.5)
                     store.transition_run(s, run_id, RunState.FAILED, reason="exit 1")
                     return
             threading.Event().wait(0.05)
@@ -181,6 +187,9 @@ def test_submit_wait_follows_the_run_to_its_end(
     assert result.exit_code == 1
     progress = result.stderr.strip().splitlines()
     assert progress[-1].startswith("error: ") and progress[-1].endswith("ended failed")
+    assert any(line.endswith("incident: loss_spike at step 29") for line in progress)
+    assert any(line.endswith("running  step 30/60 (50%)  loss 3.25  ETA 0m15s")
+               for line in progress)  # fmt: skip
 
 
 def test_unreachable_server_is_one_line() -> None:
@@ -288,3 +297,29 @@ def test_serve_migrates_and_answers(tmp_path: Path) -> None:
 def test_version() -> None:
     result = invoke("--version")
     assert result.exit_code == 0 and result.stdout.strip().startswith("nightwatch 0.")
+
+
+def test_runs_and_status_show_live_progress(
+    live_server: Any, tokens: Any, database: Database
+) -> None:
+    """What the watchdog stored this tick is what `runs`, `status` and the API show."""
+    from contracts.spec import RunSpec
+
+    with database.write_session() as s:
+        run, _ = store.create_run(s, RunSpec.from_file(EXAMPLES / "tiny-cpu.yaml"))
+        seen = {"step": 30, "target_steps": run.target_steps, "loss": 3.25, "grad_norm": 1.5,
+                "tokens_per_second": 2048.0, "step_seconds": 0.5, "eta_seconds": 3725.0,
+                "checkpoint_step": 20, "ettr": 0.95, "observed_at": 1_800_000_000.0}  # fmt: skip
+        store.set_progress(s, {run.id: seen})
+    env = {"NIGHTWATCH_URL": live_server.url, "NIGHTWATCH_TOKEN": tokens.read}
+    status = invoke("status", run.id, env=env)
+    line = next(x for x in status.stdout.splitlines() if x.startswith("progress"))
+    assert line.split(None, 1)[1] == (
+        f"step 30/{run.target_steps} ({3000 // run.target_steps}%)  loss 3.25  2,048 tok/s  "
+        "ETA 1h02m  ckpt 20  ETTR 0.95"
+    )
+    listing = invoke("runs", env=env).stdout.splitlines()
+    assert listing[0].split() == ["RUN", "STATE", "NAME", "STEP", "ETA", "ATTEMPT", "CREATED"]
+    assert f"30/{run.target_steps}" in listing[1] and "1h02m" in listing[1]
+    detail = json.loads(invoke("status", run.id, "--json", env=env).stdout)
+    assert detail["progress"] == seen

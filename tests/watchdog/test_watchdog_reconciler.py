@@ -602,3 +602,29 @@ def test_a_run_needing_attention_is_exported_by_name_until_it_ends(
         store.transition_run(s, run_id, RunState.CANCELLED, reason="test")
     rec.tick()
     assert value() is None
+
+
+def test_a_training_run_shows_its_progress_every_tick_it_moves(
+    db: Database, tmp_path: Path
+) -> None:
+    """The run row carries what the watchdog last saw (step, loss, ETA…), written in one
+    statement for all runs that moved, and left alone while nothing moved."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, _ = running(db, tmp_path, cluster, source)
+    assert get_run(db, run_id).progress_json is None
+    _healthy(source, run_id)
+    first = rec.tick()
+    progress = get_run(db, run_id).progress_json
+    target = get_run(db, run_id).target_steps
+    assert first.progress[run_id] == progress
+    assert (progress["step"], progress["target_steps"], progress["loss"]) == (13, target, 3.0)
+    assert progress["step_seconds"] == 0.5 and progress["eta_seconds"] == round((target - 13) * 0.5)
+    assert rec.tick().progress == {}  # the same samples: nothing written
+    source.samples[(run_id, 1)] = [
+        *source.samples[(run_id, 1)],
+        MetricSample(
+            t=time.time(), step=14, loss=2.5, samples_consumed=112, last_step_ts=time.time()
+        ),
+    ]
+    assert rec.tick().progress[run_id]["step"] == 14
+    assert get_run(db, run_id).progress_json["loss"] == 2.5
