@@ -163,6 +163,11 @@ class TrainingSpec(_Strict):
     clip_grad: float = Field(default=1.0, ge=0)
     seed: int = Field(default=1234, ge=0, le=2**32 - 1)
     log_interval: PositiveInt = 1
+    recompute: Literal["none", "selective", "full"] = Field(
+        default="none",
+        description="Activation recomputation: selective recomputes core attention, full every "
+        "layer's activations from its input (Megatron-Core's recompute_granularity).",
+    )
     replica_check_every: NonNegativeInt = Field(
         default=10,
         description="Steps between replica checksums (parameters that must be bit-identical "

@@ -21,6 +21,10 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from contracts.spec import RunSpec
@@ -138,7 +142,7 @@ def transformer_config(
         tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline,
-        sequence_parallel=False,
+        sequence_parallel=p.sequence_parallel,
         normalization=m.normalization,
         gated_linear_unit=m.activation == "swiglu",
         activation_func=torch.nn.functional.silu
@@ -161,13 +165,42 @@ def transformer_config(
         apply_rope_fusion=False,
         cross_entropy_loss_fusion=fused,
         cross_entropy_fusion_impl="native",
+        **_recompute(spec.training.recompute),
     )
+
+
+def _recompute(mode: str) -> dict[str, object]:
+    """Megatron-Core's recomputation settings for `training.recompute`."""
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": 1}  # fmt: skip
+    if mode == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {}
+
+
+class SequenceParallelNorm:
+    """PyTorch's LayerNorm / RMSNorm for Megatron's local layer spec, also under sequence
+    parallelism: megatron-core's wrapper refuses it because a norm over a sequence shard sees
+    1/TP of the tokens, so its weight gradients must be summed over the TP group. Marking the
+    parameters `sequence_parallel` is what makes `finalize_model_grads` do that."""
+
+    def __new__(
+        cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object
+    ) -> torch.nn.Module:
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def layer_spec(spec: RunSpec, gemm_bias: bool = False) -> ModuleSpec:
     """Megatron's local (no TE) layer spec with SDPA core attention; with `gemm_bias` (GPU) the
     QKV and fc1 projections add their bias inside the GEMM (`GemmBiasColumnParallelLinear`)."""
     layer = get_gpt_layer_local_spec(normalization=spec.model.normalization)
+    layer.submodules.input_layernorm = SequenceParallelNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = SDPACoreAttention
     if gemm_bias:
@@ -189,9 +222,13 @@ def build_gpt(
 ) -> GPTModel:
     """One pipeline stage's GPTModel (params in fp32; Float16Module casts for bf16)."""
     m = spec.model
+    block = TransformerBlockSubmodules(
+        layer_specs=[layer_spec(spec, gemm_bias)] * get_num_layers_to_build(config),
+        layer_norm=SequenceParallelNorm,  # the final norm; megatron's default refuses SP
+    )
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, gemm_bias),
+        transformer_layer_spec=block,
         vocab_size=m.vocab_size,
         max_sequence_length=m.seq_length,
         pre_process=pre_process,

@@ -135,8 +135,6 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     p = spec.parallelism
     if p.virtual_pipeline:
         raise ValueError("virtual pipeline stages are not supported by megatron_runs yet")
-    if p.sequence_parallel:
-        raise ValueError("sequence parallel needs apex/TransformerEngine norms; not supported")
     if world != p.world_size:
         raise ValueError(f"WORLD_SIZE {world} != tensor×pipeline×data {p.world_size}")
     ps.initialize_model_parallel(p.tensor, p.pipeline)

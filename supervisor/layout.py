@@ -184,7 +184,13 @@ def memory_estimate(spec: RunSpec) -> MemoryEstimate:
     if p.distributed_optimizer:
         optimizer /= p.data
     tokens = t.micro_batch_size * m.seq_length
-    per_microbatch = activation_bytes_per_token(spec) * tokens * m.num_layers / p.pipeline
+    layers = m.num_layers / p.pipeline
+    if t.recompute == "full":
+        # Each layer keeps only its input; backward recomputes one layer at a time.
+        kept = 2 * m.hidden_size / (p.tensor if p.sequence_parallel else 1)
+        per_microbatch = (kept * layers + activation_bytes_per_token(spec)) * tokens
+    else:  # selective recomputes core attention, whose s² term flash attention never stores
+        per_microbatch = activation_bytes_per_token(spec) * tokens * layers
     logits = 2 * 4 * tokens * m.vocab_size / p.tensor  # fp32 logits and their gradient
     if p.pipeline > 1:
         in_flight = min(p.pipeline, _microbatches(spec))
@@ -285,6 +291,13 @@ def _shape_problems(spec: RunSpec) -> list[Problem]:
             )
         )
     if p.virtual_pipeline is not None:
+        out.append(
+            Problem(
+                "parallelism.virtual_pipeline",
+                "the interleaved (virtual) pipeline is not implemented by the trainer yet; "
+                "leave virtual_pipeline unset",
+            )
+        )
         if p.pipeline == 1:
             out.append(
                 Problem(
@@ -315,6 +328,14 @@ def _shape_problems(spec: RunSpec) -> list[Problem]:
                 "parallelism.sequence_parallel",
                 "sequence_parallel has no effect with tensor = 1",
                 "warning",
+            )
+        )
+    if p.sequence_parallel and m.seq_length % p.tensor:
+        out.append(
+            Problem(
+                "parallelism.sequence_parallel",
+                f"seq_length {m.seq_length} is not divisible by tensor {p.tensor}: sequence "
+                "parallelism splits each sequence over the tensor-parallel ranks",
             )
         )
     return out

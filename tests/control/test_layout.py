@@ -169,3 +169,35 @@ def test_unknown_keys_and_absurd_numbers_are_rejected_by_the_schema() -> None:
         RunSpec.model_validate({**data, "model": {**data["model"], "num_layers": 10**30}})
     with pytest.raises(ValidationError, match="finite"):
         RunSpec.model_validate({**data, "training": {**data["training"], "lr": float("nan")}})
+
+
+def test_options_the_trainer_cannot_run_are_rejected_and_those_it_runs_are_estimated() -> None:
+    base = RunSpec.model_validate(json.loads(CALIBRATION.read_text())[0]["spec"])
+    data = base.model_dump()
+    vpp = RunSpec.model_validate({**data, "model": {**data["model"], "num_layers": 24},
+        "parallelism": {**data["parallelism"], "tensor": 1, "pipeline": 2, "data": 2,
+                        "virtual_pipeline": 2}})  # fmt: skip
+    assert (
+        "interleaved (virtual) pipeline is not implemented"
+        in errors_of(vpp)["parallelism.virtual_pipeline"]
+    )
+    odd = RunSpec.model_validate(
+        {
+            **data,
+            "model": {**data["model"], "seq_length": 2047},
+            "parallelism": {
+                **data["parallelism"],
+                "tensor": 2,
+                "data": 2,
+                "sequence_parallel": True,
+            },
+        }
+    )
+    assert "not divisible by tensor 2" in errors_of(odd)["parallelism.sequence_parallel"]
+    plain = layout_report(base).memory.activations_bytes
+    full = RunSpec.model_validate({**data, "training": {**data["training"], "recompute": "full"}})
+    selective = RunSpec.model_validate(
+        {**data, "training": {**data["training"], "recompute": "selective"}}
+    )
+    assert layout_report(full).memory.activations_bytes < plain / 4
+    assert layout_report(selective).memory.activations_bytes == plain
