@@ -30,33 +30,39 @@ from megatron_runs.launch_local import launch  # noqa: E402
 from megatron_runs.schedule import H100_BF16_PEAK, flops_per_token  # noqa: E402
 from supervisor.layout import GB, memory_estimate  # noqa: E402
 
-#: name → (tensor, pipeline, data, micro batch, distributed optimizer)
-LAYOUTS: dict[str, tuple[int, int, int, int, bool]] = {
-    "dp4-mb8": (1, 1, 4, 8, True),
-    "dp4-mb16": (1, 1, 4, 16, True),
-    "dp4-mb8-nodistopt": (1, 1, 4, 8, False),
-    "tp2dp2-mb8": (2, 1, 2, 8, True),
-    "pp2dp2-mb8": (1, 2, 2, 8, True),
-    "tp2pp2-mb8": (2, 2, 1, 8, True),
-    "dp2-mb8": (1, 1, 2, 8, True),
-    "tp2-mb8": (2, 1, 1, 8, True),
+#: name → (tensor, pipeline, data, micro batch, distributed optimizer, sequence parallel,
+#: recompute)
+LAYOUTS: dict[str, tuple[int, int, int, int, bool, bool, str]] = {
+    "dp4-mb8": (1, 1, 4, 8, True, False, "none"),
+    "dp4-mb16": (1, 1, 4, 16, True, False, "none"),
+    "dp4-mb8-nodistopt": (1, 1, 4, 8, False, False, "none"),
+    "tp2dp2-mb8": (2, 1, 2, 8, True, False, "none"),
+    "tp2dp2-mb8-sp": (2, 1, 2, 8, True, True, "none"),
+    "pp2dp2-mb8": (1, 2, 2, 8, True, False, "none"),
+    "tp2pp2-mb8": (2, 2, 1, 8, True, False, "none"),
+    "dp2-mb8": (1, 1, 2, 8, True, False, "none"),
+    "dp2-mb8-selective": (1, 1, 2, 8, True, False, "selective"),
+    "dp2-mb8-full": (1, 1, 2, 8, True, False, "full"),
+    "dp2-mb16-full": (1, 1, 2, 16, True, False, "full"),
+    "tp2-mb8": (2, 1, 1, 8, True, False, "none"),
+    "tp2-mb8-sp": (2, 1, 1, 8, True, True, "none"),
 }
 STEPS = 6
 GLOBAL_BATCH = 64
 
 
 def spec_for(name: str, gpu_memory_gib: float) -> dict:
-    tp, pp, dp, mbs, distopt = LAYOUTS[name]
+    tp, pp, dp, mbs, distopt, sp, recompute = LAYOUTS[name]
     return {
         "name": f"mem-{name}",
         "model": {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16,
                   "seq_length": 2048, "vocab_size": 32768, "precision": "bf16"},
         "parallelism": {"tensor": tp, "pipeline": pp, "data": dp,
-                        "distributed_optimizer": distopt},
+                        "distributed_optimizer": distopt, "sequence_parallel": sp},
         "resources": {"nodes": 1, "gpus_per_node": tp * pp * dp, "gpu_memory_gib": gpu_memory_gib},
         "training": {"train_steps": STEPS, "micro_batch_size": mbs,
                      "global_batch_size": GLOBAL_BATCH, "lr": 3e-4, "min_lr": 3e-5,
-                     "lr_warmup_steps": 2, "log_interval": 1},
+                     "lr_warmup_steps": 2, "log_interval": 1, "recompute": recompute},
         "checkpoint": {"interval_steps": 10_000, "keep_last": 1},
     }  # fmt: skip
 
