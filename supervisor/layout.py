@@ -14,7 +14,8 @@ peaks are in docs/data/ and `tests/control/test_layout.py` holds the model to th
   hidden, KV and FFN widths; tensor parallelism splits all but ~10·h bytes of them (all of them
   with sequence parallelism); the first pipeline stage holds min(pp, microbatches)
   microbatches in flight under 1F1B, the last one microbatch plus the fp32 logits;
-* PyTorch's caching allocator reserves up to 10 % beyond what is allocated, and the CUDA
+* PyTorch's caching allocator reserves up to 10 % beyond what is allocated (25 % with full
+  recomputation), and the CUDA
   context, NCCL and cuBLAS workspaces take about 8–9 GB beyond that (10 GB budgeted).
 """
 
@@ -33,6 +34,8 @@ OVERHEAD_BYTES = 10 * GB
 """CUDA context, NCCL buffers, cuBLAS workspaces: measured 8.1–9.3 GB beyond PyTorch's pool."""
 FRAGMENTATION = 0.10
 """Reserved over allocated bytes in PyTorch's caching allocator: measured 0.3–10 %."""
+FRAGMENTATION_FULL_RECOMPUTE = 0.25
+"""The same with full recomputation, whose per-layer re-forward churns the cache: 15–25 %."""
 GRADIENT_BYTES = 4
 """Megatron's DDP keeps fp32 main-gradient buffers whatever the training precision."""
 
@@ -58,6 +61,7 @@ class MemoryEstimate:
     activations_bytes: float
     overhead_bytes: float
     capacity_bytes: float
+    fragmentation: float = FRAGMENTATION
 
     @property
     def allocated_bytes(self) -> float:
@@ -69,7 +73,7 @@ class MemoryEstimate:
 
     @property
     def fragmentation_bytes(self) -> float:
-        return FRAGMENTATION * self.allocated_bytes
+        return self.fragmentation * self.allocated_bytes
 
     @property
     def total_bytes(self) -> float:
@@ -207,6 +211,7 @@ def memory_estimate(spec: RunSpec) -> MemoryEstimate:
         activations_bytes=activations,
         overhead_bytes=OVERHEAD_BYTES,
         capacity_bytes=spec.resources.gpu_memory_gib * GIB,
+        fragmentation=FRAGMENTATION_FULL_RECOMPUTE if t.recompute == "full" else FRAGMENTATION,
     )
 
 
