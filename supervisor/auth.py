@@ -40,6 +40,8 @@ class RunWrite(enum.StrEnum):
     """The writes on an existing run."""
 
     CANCEL = "cancel"
+    RESUME = "resume"
+    ROLLBACK = "roll back"
     REGISTER_ENDPOINT = "register endpoints"
 
 

@@ -212,6 +212,9 @@ class Run(Base):
     progress_json: Mapped[dict[str, Any] | None] = mapped_column(
         doc="What the watchdog last observed of the run (supervisor.watchdog.progress)."
     )
+    operator_request_json: Mapped[dict[str, Any] | None] = mapped_column(
+        doc="A pending operator request (resume / rollback) the reconciler carries out."
+    )
 
 
 class Attempt(Base):

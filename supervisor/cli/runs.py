@@ -195,6 +195,42 @@ def cancel(run: str) -> None:
 
 
 @app.command()
+def resume(
+    run: str,
+    from_step: Annotated[
+        int | None, typer.Option(min=0, help="A complete checkpoint's step; default the newest")
+    ] = None,
+) -> None:
+    """Resume a run that needs attention (the supervisor starts a new attempt)."""
+    body = {} if from_step is None else {"from_step": from_step}
+    r = Api().json("POST", f"/v1/runs/{run}/resume", json=body)
+    typer.echo(f"{r['id']}: resume requested; the supervisor starts the next attempt")
+
+
+def _skip_range(text: str) -> tuple[int, int]:
+    start, _, end = text.partition(":")
+    try:
+        return int(start), int(end)
+    except ValueError:
+        fail(f"--skip-samples takes START:END, got {text!r}")
+
+
+@app.command()
+def rollback(
+    run: str,
+    to_step: Annotated[int, typer.Option(min=0, help="A complete checkpoint's step")],
+    skip_samples: Annotated[
+        list[str] | None, typer.Option(help="START:END global sample range; repeatable")
+    ] = None,
+) -> None:
+    """Stop the run's job and resume from a checkpoint, skipping sample ranges."""
+    ranges = [list(_skip_range(t)) for t in skip_samples or []]
+    body = {"to_step": to_step, "skip_samples": ranges}
+    r = Api().json("POST", f"/v1/runs/{run}/rollback", json=body)
+    typer.echo(f"{r['id']}: rollback to step {to_step} requested")
+
+
+@app.command()
 def events(
     run: str,
     after: Annotated[int, typer.Option(min=0)] = 0,

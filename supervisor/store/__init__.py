@@ -34,6 +34,11 @@ from supervisor.store.errors import (
 )
 from supervisor.store.events import add_event, record_event
 from supervisor.store.leases import acquire_lease, db_now, renew_lease
+from supervisor.store.operator import (
+    clear_operator_request,
+    operator_action_recorded,
+    request_operator_action,
+)
 from supervisor.store.runs import (
     NewRun,
     Page,
@@ -75,6 +80,7 @@ __all__ = [
     "add_event",
     "add_runs",
     "begin_action",
+    "clear_operator_request",
     "count_runs_by_state",
     "create_attempt",
     "create_run",
@@ -87,11 +93,13 @@ __all__ = [
     "list_runs",
     "list_tokens",
     "open_incident",
+    "operator_action_recorded",
     "record_checkpoint",
     "record_event",
     "register_endpoint",
     "renew_lease",
     "request_cancel",
+    "request_operator_action",
     "revoke_run_tokens",
     "revoke_token",
     "run_states",

@@ -288,6 +288,8 @@ class Reconciler:
             number = unfinished.attempt or run.current_attempt
             self.actuator.resume(unfinished, ActContext(run.id, number, None, False))
             return Outcome(Next.TERMINAL, "escalated")
+        if run.operator_request_json is not None and unfinished is None and attempt is not None:
+            return self._operator_request(run, attempt, run.operator_request_json, active_job)
         if run.state is RunState.NEEDS_ATTENTION or attempt is None:
             return Outcome(Next.TERMINAL if attempt else Next.TICK, run.state.value)
         # observe
@@ -387,6 +389,41 @@ class Reconciler:
         if remedy.kind is RemedyKind.ESCALATE:
             return Outcome(Next.TERMINAL, remedy.reason)
         return Outcome(Next.TICK if applied else Next.AFTER, remedy.reason)
+
+    def _operator_request(
+        self, run: Run, attempt: Attempt, request: dict[str, Any], active_job: bool
+    ) -> Outcome:
+        """Carry out an operator's resume / rollback through the actuator, once: the action
+        is keyed by the request's id, so after a crash between the action and the clearing of
+        the request, the request is only cleared."""
+        rid = request["id"]
+        with self.db.session() as s:
+            recorded = store.operator_action_recorded(s, run.id, rid)
+        if not recorded:
+            to_step = request.get("to_step")
+            remedy = Remedy(
+                kind=RemedyKind.ROLLBACK if to_step is not None else RemedyKind.RESTART,
+                reason=f"operator {request['kind']} by {request['by']}",
+                to_step=to_step,
+                skip_ranges=tuple((a, b) for a, b in request.get("skip_ranges", ())),
+                operator_request=rid,
+            )
+            ctx = ActContext(
+                run_id=run.id,
+                attempt=attempt.number,
+                job_id=attempt.job_id,
+                job_active=active_job,
+                step=run.last_step,
+                attempt_nodes=tuple(attempt.nodes_json or ()),
+                incident_id=None,
+                resume_from=to_step,
+            )
+            log.info(remedy.reason, extra={"run_id": run.id, "attempt": attempt.number})
+            if not self.actuator.apply(ctx, remedy):
+                return Outcome(Next.AFTER, "operator request: retrying")
+        with self.db.write_session() as s:
+            store.clear_operator_request(s, run.id, rid)
+        return Outcome()
 
     def _resume(
         self, run: Run, attempt: Attempt, action: Action, disk_step: int | None, active_job: bool

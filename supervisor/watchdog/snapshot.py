@@ -141,10 +141,13 @@ class Remedy:
     to_step: int | None = None  # checkpoint to resume from; None = newest, 0 = from scratch
     skip_ranges: tuple[tuple[int, int], ...] = ()
     exclude_nodes: tuple[str, ...] = ()
+    operator_request: str | None = None  # the id of the operator request it carries out
 
     @property
     def target(self) -> str:
         """Part of the action's idempotency key: what the action is applied to."""
+        if self.operator_request is not None:
+            return f"operator:{self.operator_request}"
         if self.kind is RemedyKind.EXCLUDE_NODE:
             return ",".join(sorted(self.exclude_nodes))
         if self.kind is RemedyKind.ROLLBACK:

@@ -323,3 +323,30 @@ def test_runs_and_status_show_live_progress(
     assert f"30/{run.target_steps}" in listing[1] and "1h02m" in listing[1]
     detail = json.loads(invoke("status", run.id, "--json", env=env).stdout)
     assert detail["progress"] == seen
+
+
+def test_resume_and_rollback_are_requested_by_the_owner(
+    live_server: Any, tokens: Any, database: Database
+) -> None:
+    """The CLI and the API record the request; the reconciler carries it out (tested in
+    tests/watchdog/test_watchdog_operator.py). Read tokens and wrong states are refused."""
+    env = {"NIGHTWATCH_URL": live_server.url, "NIGHTWATCH_TOKEN": tokens.submit}
+    run_id = invoke("submit", str(EXAMPLES / "tiny-cpu.yaml"), env=env).stdout.strip()
+    early = one_line_error(invoke("resume", run_id, env=env))
+    assert "HTTP 409" in early and "resume needs it needs_attention" in early
+    reader = one_line_error(invoke("resume", run_id, env={**env, "NIGHTWATCH_TOKEN": tokens.read}))
+    assert "HTTP 403" in reader
+    with database.write_session() as s:
+        for state in (RunState.SUBMITTED, RunState.RUNNING, RunState.NEEDS_ATTENTION):
+            store.transition_run(s, run_id, state)
+    done = invoke("resume", run_id, env=env)
+    assert done.exit_code == 0 and "resume requested" in done.stdout
+    with database.session() as s:
+        request = store.get_run(s, run_id).operator_request_json
+    assert (request["kind"], request["to_step"]) == ("resume", None)
+    missing = one_line_error(invoke("rollback", run_id, "--to-step", "40", env=env))
+    assert "HTTP 409" in missing and "pending resume" in missing
+    bad = one_line_error(
+        invoke("rollback", run_id, "--to-step", "4", "--skip-samples", "9", env=env)
+    )
+    assert "START:END" in bad
