@@ -252,6 +252,12 @@ class RecoverySpec(_Strict):
     max_rollbacks_per_incident: PositiveInt = 2
     max_excluded_nodes: NonNegativeInt = 2
     drain_excluded_nodes: bool = False
+    on_escalation: Literal["cancel", "hold"] = Field(
+        default="cancel",
+        description="What escalation does with a job still running: cancel frees its GPUs "
+        "(SLURM's TERM first, on which the trainer saves a checkpoint if its loop still "
+        "runs); hold leaves it for a person to look at.",
+    )
 
 
 class PoisonDataFault(_Strict):

@@ -338,7 +338,17 @@ class Actuator:
                     reason=remedy.reason,
                     attempt=ctx.attempt,
                 )
-            self._finish(key, True, {})
+                spec = RunSpec.model_validate(store.get_run(s, ctx.run_id).spec_json)
+            job = "held" if ctx.job_active and ctx.job_id else None
+            if job and spec.recovery.on_escalation == "cancel":
+                try:
+                    self._stop_job(ctx)
+                except SourceUnavailable as exc:
+                    log.warning(f"cancel failed, will retry: {exc}",
+                                extra=_ctx(ctx.run_id, ctx.attempt))  # fmt: skip
+                    return False
+                job = "cancelled"
+            self._finish(key, True, {"job": job} if job else {})
             self.notifier.wake()
             return True
         with self.db.session() as s:

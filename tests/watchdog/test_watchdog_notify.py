@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import select, update
@@ -52,9 +52,14 @@ def test_delivered_after_retries_with_slack_text(db: Database, hook: Hook) -> No
     assert n.delivered == 1 and n.failed_tries == 0
 
 
-def test_kept_and_retried_with_backoff_until_delivered(db: Database) -> None:
+def test_kept_and_retried_with_backoff_until_delivered(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A webhook down for longer than the quick retries: the message waits in the outbox
-    (nothing is dropped), each failure pushing its next try further out, until it lands."""
+    (nothing is dropped), each failure pushing its next try further out, until it lands. The
+    sender's clock stands still an hour ahead, so the backoff is read exactly."""
+    clock = datetime.now(UTC) + timedelta(hours=1)
+    monkeypatch.setattr("supervisor.watchdog.notify.utcnow", lambda: clock)
     down = Hook(failures=5)
     try:
         n = Notifier(down.url, db, attempts=2, backoff_s=0.01)
@@ -66,12 +71,11 @@ def test_kept_and_retried_with_backoff_until_delivered(db: Database) -> None:
             with db.write_session() as s:  # time passes: the message is due again
                 s.execute(update(OutboxMessage).values(next_try_at=datetime.now(UTC)))
                 s.commit()
-            before = datetime.now(UTC)
             assert n.deliver_due() == 1
             (row,) = messages(db)
             assert row.delivered_at is None and row.last_error
-            waits.append(row.next_try_at - before)
-        assert waits[1] > waits[0]  # backing off
+            waits.append(row.next_try_at - clock)
+        assert waits[1] == 2 * waits[0] > timedelta(0)  # backing off
         assert n.deliver_due() == 0  # not due yet
         with db.write_session() as s:
             s.execute(update(OutboxMessage).values(next_try_at=datetime.now(UTC)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_watchdog_reconciler import get_run, rows, running
+from test_watchdog_reconciler import get_run, make, new_run, rows, running
 from watchdog_fakes import TINY_SPEC, FakeCluster, FakeSource, write_checkpoint
 
 from contracts.paths import checkpoint_dir
@@ -15,7 +15,10 @@ from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
 from supervisor.models import Action, Event, RunState
+from supervisor.slurm import JobState
 from supervisor.store import Conflict
+from supervisor.watchdog.actions import ActContext
+from supervisor.watchdog.snapshot import Remedy, RemedyKind
 
 
 def _request(db: Database, run_id: str, kind: str, **fields: object) -> None:
@@ -70,3 +73,25 @@ def test_rollback_skips_the_named_samples_and_survives_a_crash_before_clearing(
     assert len(cluster.submitted) == 2 and run.operator_request_json is None
     assert run.resume_step == 20 and run.skip_ranges_json == [[160, 200]]
     assert cluster.submitted[-1][1].exclude == ()
+
+
+@pytest.mark.parametrize(("policy", "cancelled"), [("cancel", True), ("hold", False)])
+def test_escalation_frees_the_job_unless_the_spec_holds_it(
+    db: Database, tmp_path: Path, policy: str, cancelled: bool
+) -> None:
+    """recovery.on_escalation: by default an escalated run's job is cancelled (SLURM's TERM:
+    the trainer checkpoints if it can), so a hung job does not keep its GPUs until walltime."""
+    cluster, source = FakeCluster(), FakeSource()
+    spec = {**TINY_SPEC, "recovery": {**TINY_SPEC.get("recovery", {}), "on_escalation": policy}}
+    rec = make(db, tmp_path, cluster, source)
+    run_id = new_run(db, spec)
+    rec.tick()
+    job = cluster.submitted[-1][0]
+    cluster.set(job, JobState.RUNNING)
+    rec.tick()
+    ctx = ActContext(run_id=run_id, attempt=1, job_id=job, job_active=True)
+    assert rec.actuator.apply(ctx, Remedy(RemedyKind.ESCALATE, "hang recurred"))
+    assert get_run(db, run_id).state is RunState.NEEDS_ATTENTION
+    assert cluster.cancelled == ([job] if cancelled else [])
+    (action,) = [a for a in rows(db, Action, run_id) if a.kind == "escalate"]
+    assert action.result_json == {"job": "cancelled" if cancelled else "held"}

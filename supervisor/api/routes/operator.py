@@ -19,6 +19,7 @@ from supervisor.auth import RunWrite
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])]
 RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "Body is not decodable JSON"},
     401: {"model": ErrorBody, "description": "Missing or unknown token"},
     403: {"model": ErrorBody, "description": "Not the run's owner or admin"},
     404: {"model": ErrorBody, "description": "No such run"},
