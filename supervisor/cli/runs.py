@@ -235,14 +235,31 @@ def events(
     run: str,
     after: Annotated[int, typer.Option(min=0)] = 0,
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 1000,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new events until the run ends")
+    ] = False,
+    poll_seconds: Annotated[float, typer.Option(min=0.1)] = 2.0,
     as_json: JsonOption = False,
 ) -> None:
-    """Print a run's timeline: state changes, incidents, actions, with evidence."""
-    page = Api().json("GET", f"/v1/runs/{run}/events", params={"after": after, "limit": limit})
-    if as_json:
-        typer.echo(json.dumps(page, indent=2))
-        return
-    for e in page["items"]:
-        attempt = f"[{e['attempt']}] " if e["attempt"] is not None else ""
-        data = f"  {json.dumps(e['data'])}" if e["data"] else ""
-        typer.echo(f"{e['ts']}  {e['kind']:<15} {attempt}{e['message']}{data}")
+    """Print a run's timeline: state changes, incidents, actions, with evidence (JSON: one
+    page, or with --follow one event per line)."""
+    api = Api()
+    while True:
+        page = api.json("GET", f"/v1/runs/{run}/events", params={"after": after, "limit": limit})
+        if as_json and not follow:
+            typer.echo(json.dumps(page, indent=2))
+            return
+        for e in page["items"]:
+            if as_json:
+                typer.echo(json.dumps(e))
+                continue
+            attempt = f"[{e['attempt']}] " if e["attempt"] is not None else ""
+            data = f"  {json.dumps(e['data'])}" if e["data"] else ""
+            typer.echo(f"{e['ts']}  {e['kind']:<15} {attempt}{e['message']}{data}")
+        after = page["next_after"] or after
+        if not follow or (
+            not page["items"] and api.json("GET", f"/v1/runs/{run}")["state"] in FINAL_STATES
+        ):
+            return
+        if not page["items"]:
+            time.sleep(poll_seconds)

@@ -350,3 +350,27 @@ def test_resume_and_rollback_are_requested_by_the_owner(
         invoke("rollback", run_id, "--to-step", "4", "--skip-samples", "9", env=env)
     )
     assert "START:END" in bad
+
+
+def test_events_follow_prints_new_events_until_the_run_ends(
+    live_server: Any, tokens: Any, database: Database
+) -> None:
+    import threading
+
+    env = {"NIGHTWATCH_URL": live_server.url, "NIGHTWATCH_TOKEN": tokens.submit}
+    run_id = invoke("submit", str(EXAMPLES / "tiny-cpu.yaml"), env=env).stdout.strip()
+
+    def later() -> None:
+        threading.Event().wait(0.4)
+        with database.write_session() as s:
+            store.add_event(s, run_id, EventKind.INCIDENT, "hang on n2")
+            store.transition_run(s, run_id, RunState.CANCELLED, reason="test")
+
+    writer = threading.Thread(target=later)
+    writer.start()
+    result = invoke("events", run_id, "--follow", "--poll-seconds", "0.1", env=env)
+    writer.join()
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert any("hang on n2" in line for line in lines)
+    assert "cancelled" in lines[-1]
