@@ -33,7 +33,7 @@ def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
     imports the training loop here, in the spawned process: megatron stays out of pytest's."""
     from megatron_runs import loop, saver
 
-    dist_ckpt, torch = loop.dist_ckpt, loop.torch
+    dist_ckpt, torch = saver.dist_ckpt, loop.torch
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2
     )
