@@ -1,23 +1,25 @@
 """Checkpoint save cost, Nightwatch's path against plain Megatron-Core, on one model state.
 
 Every repeat, on the same GPT + distributed-optimizer state (data parallel over all ranks,
-Adam moments filled by a few optimizer steps on random gradients):
+Adam moments filled by a few optimizer steps on random gradients), for each optimizer format
+of `--formats` (`dist_ckpt.FORMATS`; rows named `path:format`):
 
 * `nightwatch`: `dist_ckpt.Writer.save` as the training loop calls it, by phase (fresh temp
-  dir, state dict with the optimizer gather, megatron's write, fsyncs, metadata, publish
-  rename + `latest`, retention, the closing all-reduce);
-* `plain`: the same sharded state dict through `dist_checkpointing.save` with its default
-  strategy into a fresh directory (no metadata, no publish);
+  dir, state dict, megatron's write, fsyncs, metadata, publish rename + `latest`, retention,
+  the closing all-reduce);
+* `plain`: the sharded state dict of the first format through `dist_checkpointing.save` with
+  its default strategy into a fresh directory (no metadata, no publish);
 * `async`: `Writer.start` (the loop's stall until it trains on), then optimizer steps while
   the writer runs, each polling the save, until it is durable and published: `stall_s` is
   the time the loop was blocked (start + the poll that published), `durable_s` the time
   from the start until published;
-* `load`: `dist_ckpt.load` of the newest checkpoint.
+* `load`: `dist_ckpt.load` of the checkpoint the async save just published.
 
 Runs on CPU (gloo, fp32) and on GPU (NCCL, bf16). It starts its own ranks
 (megatron_runs.launch_local) unless it runs under torchrun:
 
     python benchmarks/ckpt_save.py --size 1.3b --nproc 4 --repeats 3 --out $OUT/ckpt_save.json
+    python benchmarks/ckpt_save.py --size 125m --formats fully_sharded_model_space
     torchrun --nproc-per-node 4 benchmarks/ckpt_save.py --size 1.3b --out $OUT/ckpt_save.json
 
 Checkpoints go to `--work` (never under $OUT: they are the size of the state, 17 GiB for 1.3B).
@@ -46,6 +48,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--nproc", type=int, default=2, help="ranks to start (not under torchrun)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--formats",
+        nargs="+",
+        default=["fully_sharded_model_space", "fully_reshardable"],
+        help="optimizer formats to save in (dist_ckpt.FORMATS), each measured every repeat",
+    )
     ap.add_argument("--out", type=Path, help="results JSON")
     ap.add_argument(
         "--work",
@@ -67,7 +75,7 @@ def main() -> None:
     result = args.work / "result.json"
     argv = [
         "--size", args.size, "--repeats", str(args.repeats), "--work", str(args.work),
-        "--out", str(result),
+        "--out", str(result), "--formats", *args.formats,
     ]  # fmt: skip
     run = launch(argv, args.nproc, args.work / "logs", entry=(str(Path(__file__).resolve()),))
     codes = run.wait(3600)
@@ -88,15 +96,16 @@ def _table(data: dict) -> str:
     def median(values: list[float]) -> str:
         return f"{statistics.median(values):8.3f}" if values else "       -"
 
-    for path in ("nightwatch", "plain", "async"):
-        runs = data["repeats"][path]
-        rows.append(f"{path:<28}{median([r['total_s'] for r in runs])}")
+    for path, runs in data["repeats"].items():
+        if path.startswith("load"):
+            rows.append(f"{path:<40}{median(runs)}")
+            continue
+        rows.append(f"{path:<40}{median([r['total_s'] for r in runs])}")
         for phase in runs[0]["phases"] if runs else []:
-            rows.append(f"  {phase:<26}{median([r['phases'][phase] for r in runs])}")
+            rows.append(f"  {phase:<38}{median([r['phases'][phase] for r in runs])}")
         for key in ("stall_s", "durable_s"):
             if runs and key in runs[0]:
-                rows.append(f"  {key:<26}{median([r[key] for r in runs])}")
-    rows.append(f"{'load':<28}{median(data['repeats']['load'])}")
+                rows.append(f"  {key:<38}{median([r[key] for r in runs])}")
     return "\n".join(rows)
 
 
@@ -140,9 +149,11 @@ def _rank_main(args: argparse.Namespace) -> None:
     layout = {"tensor": 1, "pipeline": 1, "data": world}
     work = args.work
     plain_dir = work / "plain"
-    nw_root = work / "nightwatch"
-    writer = dist_ckpt.Writer()
-    results: dict = {"nightwatch": [], "plain": [], "async": [], "load": []}
+    writers = {fmt: dist_ckpt.Writer(fmt) for fmt in args.formats}
+    results: dict = {"plain": []}
+    for fmt in args.formats:
+        for path in ("nightwatch", "async", "load"):
+            results[f"{path}:{fmt}"] = []
 
     def barrier_time() -> float:
         torch.distributed.barrier()
@@ -150,12 +161,12 @@ def _rank_main(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def nightwatch(step: int) -> dict:
+    def nightwatch(step: int, fmt: str) -> dict:
         phases = dist_ckpt.Phases()
         t0 = barrier_time()
         phases.mark("start")
-        target = dist_ckpt.Target(nw_root, step, step * world, 1.0, layout, keep_last=1)
-        writer.save(model, optimizer, target, phases)
+        target = dist_ckpt.Target(work / fmt, step, step * world, 1.0, layout, keep_last=1)
+        writers[fmt].save(model, optimizer, target, phases)
         total = barrier_time() - t0
         phases.seconds.pop("start")
         return {"total_s": total, "phases": phases.seconds}
@@ -165,7 +176,9 @@ def _rank_main(args: argparse.Namespace) -> None:
             shutil.rmtree(plain_dir, ignore_errors=True)
             plain_dir.mkdir(parents=True)
         t0 = barrier_time()
-        state = dist_ckpt._state_dict(model, optimizer, is_loading=False)
+        state = dist_ckpt._state_dict(
+            model, optimizer, is_loading=False, optimizer_format=args.formats[0]
+        )
         t1 = time.perf_counter()
         dist_checkpointing.save(state, str(plain_dir))
         t2 = barrier_time()
@@ -173,12 +186,12 @@ def _rank_main(args: argparse.Namespace) -> None:
             shutil.rmtree(plain_dir, ignore_errors=True)  # room on disk for the next save
         return {"total_s": t2 - t0, "phases": {"state_dict": t1 - t0, "save": t2 - t1}}
 
-    def async_save(step: int) -> dict:
+    def async_save(step: int, fmt: str) -> dict:
         phases = dist_ckpt.Phases()
         t0 = barrier_time()
         phases.mark("start")
-        target = dist_ckpt.Target(nw_root, step, step * world, 1.0, layout, keep_last=1)
-        pending = writer.start(model, optimizer, target, phases)
+        target = dist_ckpt.Target(work / fmt, step, step * world, 1.0, layout, keep_last=1)
+        pending = writers[fmt].start(model, optimizer, target, phases)
         stall = time.perf_counter() - t0
         steps = 0
         while True:
@@ -198,16 +211,16 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     step = 2
     for i in range(args.repeats):
-        order = [plain, nightwatch] if i % 2 else [nightwatch, plain]
-        for fn in order:
+        results["plain"].append(plain())
+        formats = args.formats if i % 2 == 0 else args.formats[::-1]
+        for fmt in formats:
             step += 1
-            results[fn.__name__].append(fn(step) if fn is nightwatch else fn())
-        step += 1
-        results["async"].append(async_save(step))
-        t0 = barrier_time()
-        info = ck.newest_complete(nw_root)
-        dist_ckpt.load(model, optimizer, info)
-        results["load"].append(barrier_time() - t0)
+            results[f"nightwatch:{fmt}"].append(nightwatch(step, fmt))
+            step += 1
+            results[f"async:{fmt}"].append(async_save(step, fmt))
+            t0 = barrier_time()
+            dist_ckpt.load(model, optimizer, ck.newest_complete(work / fmt))
+            results[f"load:{fmt}"].append(barrier_time() - t0)
         if rank == 0:
             print(json.dumps({"repeat": i, **{k: v[-1] for k, v in results.items()}}), flush=True)
     if rank == 0:
@@ -217,6 +230,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             "device": "cpu" if setup.CPU else torch.cuda.get_device_name(0),
             "torch": torch.__version__,
             "gib": nbytes / 2**30,
+            "formats": args.formats,
             "repeats": results,
         }
         args.out.write_text(json.dumps(data, indent=1))

@@ -1,8 +1,11 @@
 """Save and load model + optimizer with megatron `dist_checkpointing`, published atomically.
 
 Collective: every rank calls `save` / `load`. The checkpoint directory must be shared by all
-ranks (as dist_checkpointing requires). The optimizer state uses the `fully_reshardable`
-format: the default fails, and `dp_reshardable` cannot change TP/PP and resumes Adam at step 1.
+ranks (as dist_checkpointing requires). The distributed optimizer's state is saved in model
+space, each data-parallel rank its own slice (`model_space`): no gather before the write, and
+it loads onto any TP × PP × DP layout. `fully_reshardable` (every rank gathers the whole state
+first) can still be chosen per `Writer`; a load reads the format the checkpoint names, and
+a checkpoint that names none is `fully_reshardable` (what Nightwatch wrote before).
 """
 
 from __future__ import annotations
@@ -26,18 +29,23 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from contracts import checkpoints as ck
+from megatron_runs import model_space
 from megatron_runs.cpu_compat import collective_device
 
 logger = logging.getLogger(__name__)
 
-_OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+_FORMAT_KEY = "distrib_optim_sharding_type"
+#: The optimizer format of checkpoints that name none: Nightwatch's before model space.
+_UNNAMED_FORMAT = "fully_reshardable"
+#: The optimizer formats a `Writer` may save in.
+FORMATS = (model_space.FORMAT, "fully_reshardable")
 
 
 class SaveFailed(Exception):
@@ -77,7 +85,7 @@ def _unwrap(chunk: object) -> object:
     return chunk
 
 
-def _state_dict(model: list, optimizer: object, is_loading: bool) -> dict:
+def _state_dict(model: list, optimizer: object, is_loading: bool, optimizer_format: str) -> dict:
     sd: dict = {}
     if len(model) == 1:
         sd["model"] = _unwrap(model[0]).sharded_state_dict()
@@ -86,9 +94,12 @@ def _state_dict(model: list, optimizer: object, is_loading: bool) -> dict:
             sd[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
     model_sd = {k: v for k, v in sd.items() if k.startswith("model")}
     merged = model_sd["model"] if len(model) == 1 else model_sd
-    _gather_in_buffer_space(optimizer)
+    if optimizer_format == model_space.FORMAT:
+        model_space.install(optimizer)
+    else:
+        _gather_in_buffer_space(optimizer)
     sd["optimizer"] = optimizer.sharded_state_dict(
-        merged, is_loading=is_loading, metadata=_OPT_META
+        merged, is_loading=is_loading, metadata={_FORMAT_KEY: optimizer_format}
     )
     return sd
 
@@ -213,11 +224,16 @@ class Writer:
     Each data-parallel replica writes 1/DP of the replicated tensors (megatron's
     FullyParallelSaveStrategyWrapper, Megatron-LM's default): with megatron's default strategy
     DP rank 0 alone writes every replicated tensor, the whole model and, fully_reshardable, the
-    whole optimizer state. The shard distribution and the sharding check are computed on the
-    first save only: the state's structure does not change within a process.
+    whole optimizer state. The shard distribution, the sharding check and torch's save plan
+    (every rank's write items, all-gathered) are computed on the first save only and reused
+    (Megatron-LM's `--ckpt-assume-constant-structure`): the state's structure does not change
+    within a process.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, optimizer_format: str = model_space.FORMAT) -> None:
+        if optimizer_format not in FORMATS:
+            raise ValueError(f"optimizer format {optimizer_format!r} is none of {FORMATS}")
+        self.optimizer_format = optimizer_format
         self._strategy: FullyParallelSaveStrategyWrapper | None = None
 
     def save(
@@ -228,7 +244,7 @@ class Writer:
         state, strategy, validate = self._prepare(model, optimizer, target, phases)
         dist_checkpointing.save(
             state, str(ck.tmp_dir(target.root, target.step)), strategy,
-            validate_access_integrity=validate,
+            validate_access_integrity=validate, content_metadata=self._content,
         )  # fmt: skip
         phases.mark("write")
         return _publish(target, phases)
@@ -241,7 +257,8 @@ class Writer:
         state, strategy, validate = self._prepare(model, optimizer, target, phases)
         request = dist_checkpointing.save(
             state, str(ck.tmp_dir(target.root, target.step)), strategy,
-            validate_access_integrity=validate, async_sharded_save=True, async_strategy="mcore",
+            validate_access_integrity=validate, content_metadata=self._content,
+            async_sharded_save=True, async_strategy="mcore",
         )  # fmt: skip
         phases.mark("plan")
         if request.async_fn is not None:
@@ -260,16 +277,23 @@ class Writer:
         _results_queue(target.step)
         _fresh_tmp(target)
         phases.mark("fresh_dir")
-        state = _state_dict(model, optimizer, is_loading=False)
+        state = _state_dict(
+            model, optimizer, is_loading=False, optimizer_format=self.optimizer_format
+        )
         phases.mark("state_dict")
         first = self._strategy is None
         if first:
             self._strategy = FullyParallelSaveStrategyWrapper(
-                get_default_save_sharded_strategy(),
+                TorchDistSaveShardedStrategy(cached_metadata=True),
                 ps.get_data_parallel_group(with_context_parallel=True),
                 do_cache_distribution=True,
             )
         return state, self._strategy, first
+
+    @property
+    def _content(self) -> dict:
+        """What the checkpoint records of its format, for the load to read."""
+        return {_FORMAT_KEY: self.optimizer_format}
 
 
 class PendingSave:
@@ -398,7 +422,12 @@ def _all_ranks_ok(ok: bool) -> bool:
 def load(model: list, optimizer: object, info: ck.CheckpointInfo) -> Loaded:
     """Load model and optimizer state in place from a verified checkpoint."""
     _init_adam_state(optimizer)
-    state = dist_checkpointing.load(_state_dict(model, optimizer, is_loading=True), str(info.path))
+    content = dist_checkpointing.load_content_metadata(str(info.path)) or {}
+    optimizer_format = content.get(_FORMAT_KEY, _UNNAMED_FORMAT)
+    state = dist_checkpointing.load(
+        _state_dict(model, optimizer, is_loading=True, optimizer_format=optimizer_format),
+        str(info.path),
+    )
     if len(model) == 1:
         _unwrap(model[0]).load_state_dict(state["model"])
     else:
