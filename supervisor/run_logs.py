@@ -8,6 +8,7 @@ was given and gets only what was written since, whole lines only.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,9 @@ def read_log(files: dict[str, Path], node: str | None, tail: int, offset: int | 
     what follows `offset`."""
     nodes = tuple(files)
     chosen = node or nodes[0]
+    placeholder = re.fullmatch(r"task(\d+)", chosen)
+    if chosen not in files and placeholder and int(placeholder[1]) < len(nodes):
+        chosen = nodes[int(placeholder[1])]  # named before SLURM reported the job's nodes
     if chosen not in files:
         raise UnknownNode(f"node {chosen!r} is not one of this attempt's: {', '.join(nodes)}")
     path = files[chosen]

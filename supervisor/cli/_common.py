@@ -12,12 +12,16 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
+from supervisor.models import TERMINAL_RUN_STATES, RunState
+
 if TYPE_CHECKING:
     import httpx
 
     from contracts.spec import RunSpec
 
 DEFAULT_URL = "http://127.0.0.1:8787"
+#: Run states after which no attempt runs (until an operator resumes one that needs attention).
+FINAL_STATES = frozenset(s.value for s in (*TERMINAL_RUN_STATES, RunState.NEEDS_ATTENTION))
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -8,11 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from supervisor.cli._app import app
-from supervisor.cli._common import Api
-from supervisor.models import TERMINAL_RUN_STATES, RunState
-
-#: Run states in which no attempt writes any more.
-_ENDED = {s.value for s in (*TERMINAL_RUN_STATES, RunState.NEEDS_ATTENTION)}
+from supervisor.cli._common import FINAL_STATES, Api
 
 
 @app.command()
@@ -48,7 +44,7 @@ def logs(
                 chunk = api.json("GET", path, params=params)
                 typer.echo(chunk["text"], nl=False)
                 continue
-            if attempt is not None or state["state"] in _ENDED:
+            if attempt is not None or state["state"] in FINAL_STATES:
                 return
         time.sleep(poll_seconds)
         params = {"attempt": chunk["attempt"], "offset": chunk["offset"]}

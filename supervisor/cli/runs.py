@@ -12,9 +12,8 @@ from typing import Annotated, Any
 import typer
 
 from supervisor.cli._app import app
-from supervisor.cli._common import Api, fail, load_spec
+from supervisor.cli._common import FINAL_STATES, Api, fail, load_spec
 
-FINAL_STATES = {"succeeded", "failed", "cancelled", "needs_attention"}
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the raw JSON response.")]
 
 

@@ -122,3 +122,21 @@ def test_cli_follows_attempt_after_attempt_until_the_run_ends(
     assert result.stdout == (
         "attempt one\n--- attempt 2 ---\nattempt two starts\nattempt two ends\n"
     )
+
+
+def test_a_follower_that_started_before_slurm_named_the_nodes_keeps_its_place(
+    client: TestClient, tokens: Any, database: Database, app_settings: Settings
+) -> None:
+    run_id, number = _run_with_attempt(database, "88", [])
+    log = _log(app_settings.home, run_id, number, "88", 0)
+    log.write_text("early\n")
+    url, headers = f"/v1/runs/{run_id}/logs", tokens.headers("read")
+    first = client.get(url, headers=headers).json()
+    assert (first["node"], first["text"]) == ("task0", "early\n")
+    with database.write_session() as s:
+        store.update_attempt(s, run_id, number, nodes_json=["n7"])
+    with log.open("a") as fh:
+        fh.write("later\n")
+    more = client.get(url, params={"node": "task0", "offset": first["offset"]}, headers=headers)
+    assert more.status_code == 200
+    assert (more.json()["node"], more.json()["text"]) == ("n7", "later\n")
