@@ -63,6 +63,10 @@ def test_sigkill_during_remedies_leaves_no_duplicate_and_completes(
 
 
 def _live(state: Path, run_id: str) -> list[str]:
+    """The run's queued or running jobs in the fake SLURM's state (none before its first
+    write: every kill so far came before the supervisor submitted anything)."""
+    if not state.exists():
+        return []
     jobs = json.loads(state.read_text())["jobs"]
     return [j for j, v in jobs.items() if v["run_id"] == run_id and v["state"] in LIVE]
 
