@@ -60,8 +60,8 @@ def main() -> int:
     args = ap.parse_args()
     spec = RunSpec.from_file(args.spec)
     rank, _world, _local, device = setup.init_distributed()
-    p, t, m = spec.parallelism, spec.training, spec.model
-    ps.initialize_model_parallel(p.tensor, p.pipeline)
+    t, m = spec.training, spec.model
+    setup.init_model_parallel(spec)
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     bf16 = m.precision == "bf16" and not CPU
@@ -74,13 +74,13 @@ def main() -> int:
     )
     optimizer = build_optimizer(spec, model, bf16, fused_adam=not args.no_fused_adam)
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     dp = ps.get_data_parallel_world_size()
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    gen = torch.Generator(device="cpu").manual_seed(ps.get_data_parallel_rank())
 
     def batches():
+        # Seeded alike for every model chunk: each chunk's iterator yields the same samples.
+        gen = torch.Generator(device="cpu").manual_seed(ps.get_data_parallel_rank())
         while True:
             tok = torch.randint(
                 0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen
@@ -95,7 +95,7 @@ def main() -> int:
                 indices=[],
             )
 
-    it = batches()
+    it = [batches() for _ in model] if len(model) > 1 else batches()
     fwd_bwd = get_forward_backward_func()
     profiler = None
     for step in range(1, args.steps + 1):

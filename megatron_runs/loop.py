@@ -97,7 +97,8 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     clock.mark("other")
     tr.log(
         "train_start", step=tr.step, cursor=tr.cursor, target=target, layout=tr.layout, cpu=CPU,
-        nodes=tr.nodes, entered=round(entered, 3), setup_seconds=clock.seconds,
+        features=tr.features, nodes=tr.nodes, entered=round(entered, 3),
+        setup_seconds=clock.seconds,
     )  # fmt: skip
 
     while tr.step < target:
@@ -150,9 +151,11 @@ def _train_step(
     batches = build_microbatches(
         tr.stream, mine, t.micro_batch_size, t.seed, spec.model.vocab_size, tr.faults.poison_effect
     )
+    # The interleaved schedule reads each model chunk's microbatches from its own iterator.
+    chunks = [to_device(batches, tr.device) for _ in tr.model]
     out = plan.fwd_bwd(
         forward_step_func=forward_step,
-        data_iterator=to_device(batches, tr.device),
+        data_iterator=chunks if len(chunks) > 1 else chunks[0],
         model=tr.model,
         num_microbatches=plan.num_micro,
         seq_length=spec.model.seq_length,
@@ -261,4 +264,3 @@ def forward_step(data_iterator: object, model: object) -> tuple[torch.Tensor, Ca
         return loss, {"lm loss": loss.detach().clone()}
 
     return per_token, loss_func
-

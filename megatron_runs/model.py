@@ -142,6 +142,12 @@ def transformer_config(
         tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+        # The interleaved schedule's p2p as Megatron-LM sets it (overlap_p2p_comm): unbatched,
+        # each direction on its own group. Batched at pipeline 2, an activation and a gradient
+        # from the same peer in one batch land in each other's buffers (seen on gloo: the
+        # losses of the later microbatches drifted).
+        overlap_p2p_comm=p.virtual_pipeline is not None,
+        batch_p2p_comm=p.virtual_pipeline is None,
         sequence_parallel=p.sequence_parallel,
         normalization=m.normalization,
         gated_linear_unit=m.activation == "swiglu",
@@ -219,11 +225,13 @@ def build_gpt(
     pre_process: bool,
     post_process: bool,
     gemm_bias: bool = False,
+    vp_stage: int | None = None,
 ) -> GPTModel:
-    """One pipeline stage's GPTModel (params in fp32; Float16Module casts for bf16)."""
+    """One pipeline stage's GPTModel, or with `vp_stage` one model chunk of an interleaved
+    pipeline (params in fp32; Float16Module casts for bf16)."""
     m = spec.model
     block = TransformerBlockSubmodules(
-        layer_specs=[layer_spec(spec, gemm_bias)] * get_num_layers_to_build(config),
+        layer_specs=[layer_spec(spec, gemm_bias)] * get_num_layers_to_build(config, vp_stage),
         layer_norm=SequenceParallelNorm,  # the final norm; megatron's default refuses SP
     )
     return GPTModel(
@@ -236,6 +244,7 @@ def build_gpt(
         parallel_output=True,
         share_embeddings_and_output_weights=not m.untie_embeddings,
         position_embedding_type=m.position_embedding,
+        vp_stage=vp_stage,
     )
 
 

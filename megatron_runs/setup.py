@@ -1,8 +1,8 @@
 """One attempt's set-up on one rank: distributed init, model, optimizer, data, faults, resume.
 
-`set_up` returns a `Trainer`, everything `loop.run` needs to step. `init_distributed` and
-`build_model` are public for benchmarks/train_baseline.py, which measures the same model
-without the loop.
+`set_up` returns a `Trainer`, everything `loop.run` needs to step. `init_distributed`,
+`init_model_parallel` and `build_model` are public for benchmarks/train_baseline.py, which
+measures the same model without the loop.
 """
 
 from __future__ import annotations
@@ -121,6 +121,9 @@ class Trainer:
     dp_rank: int
     dp_size: int
     layout: dict[str, int]
+    #: The model features this rank trains with, as megatron was configured (the
+    #: `train_start` line names them): sequence parallelism, recomputation, model chunks.
+    features: dict[str, object]
     root: Path
     step: int
     cursor: int
@@ -133,11 +136,9 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     `ctx.checkpoint_dir` (the newest, or `ctx.resume_step`'s) is loaded."""
     rank, world, local_rank, device = init_distributed()
     p = spec.parallelism
-    if p.virtual_pipeline:
-        raise ValueError("virtual pipeline stages are not supported by megatron_runs yet")
     if world != p.world_size:
         raise ValueError(f"WORLD_SIZE {world} != tensor×pipeline×data {p.world_size}")
-    ps.initialize_model_parallel(p.tensor, p.pipeline)
+    init_model_parallel(spec)
     clock.mark("distributed_init")
     log = Log(ctx, rank)
     t = spec.training
@@ -159,7 +160,6 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     local_grads: list[torch.Tensor | None] = [None]
     _hook_finalize(config, model, faults, None if overlapped else local_grads)
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model[0].no_sync
     dp_size = ps.get_data_parallel_world_size()
     root = Path(ctx.checkpoint_dir)
     clock.mark("other")
@@ -171,7 +171,13 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
         log=log, rank=rank, world=world, device=device, model=model, optimizer=optimizer,
         stream=stream, nodes=nodes, node_index=nodes.index(ctx.node), faults=faults,
         local_grads=local_grads, dp_rank=ps.get_data_parallel_rank(), dp_size=dp_size,
-        layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": dp_size}, root=root,
+        layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": dp_size},
+        features={
+            "sequence_parallel": config.sequence_parallel,
+            "recompute": config.recompute_granularity or "none",
+            "model_chunks": len(model),
+        },
+        root=root,
         step=step, cursor=cursor, resumed_from=resumed_from, metrics=metrics,
     )  # fmt: skip
 
@@ -198,6 +204,15 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
     return rank, world, local_rank, device
 
 
+def init_model_parallel(spec: RunSpec) -> None:
+    """Megatron's tensor / pipeline groups, and the model chunks per rank of an interleaved
+    pipeline (`parallelism.virtual_pipeline`)."""
+    p = spec.parallelism
+    ps.initialize_model_parallel(
+        p.tensor, p.pipeline, virtual_pipeline_model_parallel_size=p.virtual_pipeline
+    )
+
+
 def _job_nodes(node: str) -> list[str]:
     """Every node of this process group, in rank order without repeats: the log then says
     where each attempt ran (a sick node's fault strikes only where a job lands on it)."""
@@ -219,12 +234,14 @@ def build_model(
     overlap_param_gather: bool = True,
     gemm_bias: bool = True,
 ) -> tuple[list, object]:
-    """The DDP-wrapped model. On GPU by default: fused bias-dropout-add and cross-entropy (bf16
-    only, see `transformer_config`), QKV and fc1 biases added inside their GEMMs
-    (`model.GemmBiasColumnParallelLinear`) and, with the distributed optimizer at DP > 1, the
-    param all-gather overlapped with the next forward pass (`loop.finish_param_gather` before
-    anything reads the weights). The switches exist for benchmarks/train_baseline.py's A/B
-    runs; CPU runs get none of them."""
+    """The DDP-wrapped model: one chunk, or `parallelism.virtual_pipeline` chunks per rank for
+    the interleaved schedule, each with its own DDP as in Megatron-LM (bucketed grad reduction
+    for the first chunk only); the config's sync hooks point at every chunk. On GPU by
+    default: fused bias-dropout-add and cross-entropy (bf16 only, see `transformer_config`),
+    QKV and fc1 biases added inside their GEMMs (`model.GemmBiasColumnParallelLinear`) and,
+    with the distributed optimizer at DP > 1, the param all-gather overlapped with the next
+    forward pass (`loop.finish_param_gather` before anything reads the weights). The switches
+    exist for benchmarks/train_baseline.py's A/B runs; CPU runs get none of them."""
     dp = ps.get_data_parallel_world_size()
     config = transformer_config(
         spec,
@@ -232,18 +249,6 @@ def build_model(
         use_cpu_init=CPU,
         fused=fused and bf16,
     )
-    model = build_gpt(
-        spec,
-        config,
-        ps.is_pipeline_first_stage(),
-        ps.is_pipeline_last_stage(),
-        gemm_bias=gemm_bias and not CPU,
-    )
-    if not CPU:
-        model.cuda(torch.cuda.current_device())
-    init_layout_independent(model, config, spec.training.seed)
-    if bf16:
-        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         # On GPU, reduce-scatter gradient buckets while the backward pass still runs.
@@ -255,9 +260,42 @@ def build_model(
         use_distributed_optimizer=spec.parallelism.distributed_optimizer,
         check_for_nan_in_grad=False,
     )
-    ddp = DistributedDataParallel(config, ddp_config, model)
-    ddp.broadcast_params()
-    return [ddp], config
+    vp = spec.parallelism.virtual_pipeline
+    model = []
+    for vp_stage in range(vp) if vp else [None]:
+        gpt = build_gpt(
+            spec,
+            config,
+            ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            gemm_bias=gemm_bias and not CPU,
+            vp_stage=vp_stage,
+        )
+        if not CPU:
+            gpt.cuda(torch.cuda.current_device())
+        init_layout_independent(gpt, config, spec.training.seed)
+        chunk = Float16Module(config, gpt) if bf16 else gpt
+        ddp = DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=bool(vp_stage))
+        ddp.broadcast_params()
+        model.append(ddp)
+    _hook_sync(config, model)
+    return model, config
+
+
+def _hook_sync(config: object, model: list) -> None:
+    """The schedules' sync hooks: grad reduction held back during gradient accumulation (one
+    hook per chunk); with several chunks, also as Megatron-LM wires them (align_grad_reduce,
+    align_param_gather): each chunk's overlapped grad reduction started as soon as its last
+    backward ends, and its overlapped param all-gather before its first forward."""
+    if len(model) == 1:
+        config.no_sync_func = model[0].no_sync
+        return
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    ddp_config = model[0].ddp_config
+    if ddp_config.overlap_grad_reduce:
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+    if ddp_config.overlap_param_gather:
+        config.param_sync_func = [chunk.start_param_sync for chunk in model]
 
 
 def _hook_finalize(

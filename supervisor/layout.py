@@ -13,7 +13,8 @@ peaks are in docs/data/ and `tests/control/test_layout.py` holds the model to th
   s² term): layer-norm inputs, attention and MLP tensors saved for backward, per the model's
   hidden, KV and FFN widths; tensor parallelism splits all but ~10·h bytes of them (all of them
   with sequence parallelism); the first pipeline stage holds min(pp, microbatches)
-  microbatches in flight under 1F1B, the last one microbatch plus the fp32 logits;
+  microbatches in flight under 1F1B (pp + (pp − 1)/v with v interleaved model chunks per rank,
+  Korthikanti et al.; not yet measured), the last one microbatch plus the fp32 logits;
 * PyTorch's caching allocator reserves up to 10 % beyond what is allocated (25 % with full
   recomputation), and the CUDA
   context, NCCL and cuBLAS workspaces take about 8–9 GB beyond that (10 GB budgeted).
@@ -197,7 +198,9 @@ def memory_estimate(spec: RunSpec) -> MemoryEstimate:
         per_microbatch = activation_bytes_per_token(spec) * tokens * layers
     logits = 2 * 4 * tokens * m.vocab_size / p.tensor  # fp32 logits and their gradient
     if p.pipeline > 1:
-        in_flight = min(p.pipeline, _microbatches(spec))
+        # Interleaved: the first stage's warm-up runs (pp − 1)/v microbatches more.
+        extra = (p.pipeline - 1) / p.virtual_pipeline if p.virtual_pipeline else 0
+        in_flight = min(p.pipeline + extra, _microbatches(spec))
         activations = max(in_flight * per_microbatch, per_microbatch + logits)
     else:
         activations = per_microbatch + logits
@@ -296,13 +299,6 @@ def _shape_problems(spec: RunSpec) -> list[Problem]:
             )
         )
     if p.virtual_pipeline is not None:
-        out.append(
-            Problem(
-                "parallelism.virtual_pipeline",
-                "the interleaved (virtual) pipeline is not implemented by the trainer yet; "
-                "leave virtual_pipeline unset",
-            )
-        )
         if p.pipeline == 1:
             out.append(
                 Problem(
