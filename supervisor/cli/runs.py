@@ -243,6 +243,7 @@ def events(
     """Print a run's timeline: state changes, incidents, actions, with evidence (JSON: one
     page, or with --follow one event per line)."""
     api = Api()
+    ended = False
     while True:
         page = api.json("GET", f"/v1/runs/{run}/events", params={"after": after, "limit": limit})
         if as_json and not follow:
@@ -256,9 +257,10 @@ def events(
             data = f"  {json.dumps(e['data'])}" if e["data"] else ""
             typer.echo(f"{e['ts']}  {e['kind']:<15} {attempt}{e['message']}{data}")
         after = page["next_after"] or after
-        if not follow or (
-            not page["items"] and api.json("GET", f"/v1/runs/{run}")["state"] in FINAL_STATES
-        ):
+        if not follow or (ended and not page["items"]):
             return
         if not page["items"]:
-            time.sleep(poll_seconds)
+            # Seen ended: one more read drains the events written before the state was read.
+            ended = api.json("GET", f"/v1/runs/{run}")["state"] in FINAL_STATES
+            if not ended:
+                time.sleep(poll_seconds)
