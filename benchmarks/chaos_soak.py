@@ -11,6 +11,7 @@ everything to `<out>/result.json`.
 
     .venv/bin/python benchmarks/chaos_soak.py --seed 7 --minutes 20       # the full soak
     .venv/bin/python benchmarks/chaos_soak.py --short                     # ≈ 5 min, make test
+    .venv/bin/python benchmarks/chaos_soak.py --short --seeds 1-20        # a seed sweep
     .venv/bin/python benchmarks/chaos_soak.py --clean --minutes 30        # no faults
     .venv/bin/python benchmarks/chaos_soak.py --clean --no-reference --steps 19000   # half the time
     .venv/bin/python benchmarks/chaos_soak.py --no-reference --steps 9000  # MTTRs, no loss check
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -138,9 +140,8 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
         # gap (the default 60 s is 12-60 steps of a 1-5 s GPU step). A frozen node is still
         # excluded: the hang's verdict waits while a node fails its scrapes and is not yet
         # dark (`DARK_AFTER_S`); without that wait, 5 s named nobody.
-        # A spike is judged before its last poisoned step is trained, so a skip of just the
-        # window seen fell short by a step or two and needed a second rollback; operators
-        # skip well past a spike (DOMAIN.md: 200-500 batches).
+        # The trainer names a poisoned window's samples exactly (skip_margin_samples 0: just
+        # them); rollback_skip_steps only widens a window known from scrapes alone.
         "recovery": {
             "hang_floor_seconds": HANG_FLOOR_S,
             "max_excluded_nodes": max(2, node_faults),
@@ -178,6 +179,8 @@ def acceptance(
         failed.append("final loss not compared: no fault-free reference (--no-reference)")
     if nightwatch.escalations:
         failed.append(f"{nightwatch.escalations} escalation(s)")
+    if nightwatch.false_positives:
+        failed.append(f"{nightwatch.false_positives} false positive(s)")
     if clean and nightwatch.remedies:
         failed.append(f"{nightwatch.remedies} remedies in a clean run")
     for f in nightwatch.faults:
@@ -188,6 +191,13 @@ def acceptance(
             failed.append(f"{f.kind}: cured by {f.cured_by}, remedies {f.remedies}{why}")
         elif not f.recovered:
             failed.append(f"{f.kind}: no recovery seen")
+        elif f.samples_skipped > f.skip_allowance:
+            failed.append(
+                f"{f.kind}: {f.samples_skipped} samples skipped, more than the window and its "
+                f"margin ({f.skip_allowance})"
+            )
+        elif f.cured_by == "contained" and f.steps_lost:
+            failed.append(f"{f.kind}: contained, yet {f.steps_lost} steps lost")
     return failed
 
 
@@ -253,6 +263,13 @@ def log_to(path: Path) -> Callable[[str], None]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=None, help="default: random, printed")
+    ap.add_argument(
+        "--seeds",
+        type=parse_seeds,
+        default=None,
+        help="a sweep: run the soak once per seed (e.g. 1-20 or 3,5,11), each in its own "
+        "process, one line per seed and the pass count at the end (sweep.json in --out)",
+    )
     ap.add_argument("--minutes", type=float, default=20.0, help="training length to aim for")
     ap.add_argument(
         "--step-seconds",
@@ -299,8 +316,77 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def parse_seeds(text: str) -> list[int]:
+    """`1-20` or `3,5,11` (or both: `1-3,7`) → seeds in order."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a seed or a range of seeds: {part!r}") from None
+        if last < first:
+            raise argparse.ArgumentTypeError(f"empty range of seeds: {part!r}")
+        seeds.extend(range(first, last + 1))
+    if not seeds:
+        raise argparse.ArgumentTypeError("no seeds given")
+    return seeds
+
+
+def sweep(args: argparse.Namespace, argv: list[str]) -> int:
+    """The soak once per seed, in turn (each in a process of its own, so one seed's failure or
+    crash is that seed's alone); one line per seed, then the pass count. 0 only if all pass."""
+    rest = _without_seeds(argv)
+    out = args.out / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    lines, passed = [], 0
+    for seed in args.seeds:
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, __file__, *rest, "--seed", str(seed), "--out", str(out)],
+            capture_output=True, text=True, cwd=REPO,
+        )  # fmt: skip
+        results = sorted(out.glob(f"*-seed{seed}/result.json"))
+        failed = (
+            json.loads(results[-1].read_text())["acceptance_failed"]
+            if results
+            else [f"no result (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"]
+        )
+        ok = proc.returncode == 0 and not failed
+        passed += ok
+        line = f"seed {seed:>3}: {'PASS' if ok else 'FAIL'} in {time.monotonic() - t0:.0f} s"
+        line += "" if ok else f" — {'; '.join(failed)}"
+        lines.append(line)
+        print(line, flush=True)
+    total = f"passed {passed} of {len(args.seeds)} seeds"
+    print(total, flush=True)
+    (out / "sweep.json").write_text(
+        json.dumps({"command": " ".join(sys.argv), "lines": lines, "passed": passed,
+                    "seeds": args.seeds}, indent=2)
+    )  # fmt: skip
+    return 0 if passed == len(args.seeds) else 1
+
+
+def _without_seeds(argv: list[str]) -> list[str]:
+    """The command line minus --seeds and --out (the sweep sets both per seed)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--seeds", "--out", "--seed"):
+            skip = True
+            continue
+        if a.startswith(("--seeds=", "--out=", "--seed=")):
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.seeds is not None:
+        return sweep(args, sys.argv[1:] if argv is None else argv)
     seed = args.seed if args.seed is not None else random.randrange(1, 10**6)
     try:
         mode = mode_from_args(args)
@@ -384,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             reference_submit_t=ref.submit_t if ref else None,
             emulated_steps=plan_of(ref).emulated_steps if name == "nightwatch" else (),
             pace_window=mode.checkpoint_interval,
+            skip_margin=int(spec["recovery"].get("skip_margin_samples", 0)),
         )
         for name, r in runs.items()
         if name != "reference"

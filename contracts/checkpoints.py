@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,9 @@ class CheckpointInfo:
     layout: dict[str, int]
     complete: bool
     problem: str | None = None
+    #: The losses of the good steps before it that the trainer's spike judgement keeps
+    #: (`megatron_runs.anomaly.LossTrend`), so a resumed attempt judges its first steps too.
+    loss_trend: tuple[float, ...] = ()
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -66,6 +70,7 @@ def write_meta(
     loss: float | None,
     layout: dict[str, int],
     saved_at: float | None = None,
+    loss_trend: Sequence[float] = (),
 ) -> dict:
     meta = {
         "step": step,
@@ -73,6 +78,7 @@ def write_meta(
         "loss": loss if loss is None or loss == loss else None,
         "saved_at": time.time() if saved_at is None else saved_at,
         "layout": layout,
+        "loss_trend": [float(x) for x in loss_trend],
         "complete": True,
         "files": file_sizes(ckpt),
     }
@@ -145,6 +151,7 @@ def read_info(ckpt: Path) -> CheckpointInfo | None:
         layout=dict(meta.get("layout", {})),
         complete=problem is None,
         problem=problem,
+        loss_trend=tuple(float(x) for x in meta.get("loss_trend", ())),
     )
 
 

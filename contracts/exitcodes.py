@@ -21,3 +21,7 @@ INJECTED_CRASH = 76
 NO_GPU = 78
 """A GPU run's rank found fewer GPUs than the job was given (EX_CONFIG): a node or
 configuration fault that a restart on the same request cannot cure."""
+
+SKIP_BUDGET = 79
+"""More updates skipped (non-finite) within the spec's window than its budget allows; the
+trainer's `skip_budget` line in `.health/anomalies.jsonl` names the steps, samples and nodes."""

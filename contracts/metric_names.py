@@ -32,6 +32,11 @@ RUN_METRICS = {
     "grad_norm": ("gauge", "grad norm of the last step"),
     "grad_norm_window_max": ("gauge", "max grad norm over the last 16 steps"),
     "nonfinite_steps": ("counter", "steps with NaN/Inf loss or grad norm"),
+    "anomalous_steps": (
+        "counter",
+        "steps the trainer judged bad (non-finite or a loss spike), each named with its samples "
+        "in .health/anomalies.jsonl",
+    ),
     "learning_rate": ("gauge", "learning rate of the last step"),
     "tokens": ("counter", "tokens consumed"),
     "samples_consumed": ("gauge", "global sample index consumed so far"),

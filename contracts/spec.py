@@ -238,7 +238,28 @@ class RecoverySpec(_Strict):
     hang_floor_seconds: float = Field(default=60.0, gt=0)
     checkpoint_stall_factor: float = Field(default=3.0, gt=1, description="× interval.")
     rollback_skip_steps: NonNegativeInt = Field(
-        default=0, description="Extra steps of samples skipped after the detected window."
+        default=0,
+        description="Extra steps of samples skipped after a window known only from scrapes.",
+    )
+    skip_margin_samples: NonNegativeInt = Field(
+        default=0,
+        description="Extra samples skipped after a bad window the trainer named exactly.",
+    )
+    skipped_updates_budget: NonNegativeInt = Field(
+        default=3,
+        description="Non-finite steps (update skipped) the trainer contains within "
+        "skipped_updates_window_steps; one more and it stops with exit 79 naming them.",
+    )
+    skipped_updates_window_steps: PositiveInt = 100
+    node_nonfinite_strikes: PositiveInt = Field(
+        default=2,
+        description="Non-finite gradients one node made (in one attempt) before it is "
+        "excluded; fewer are contained.",
+    )
+    tolerate_spike_steps: NonNegativeInt = Field(
+        default=0,
+        description="A loss spike of at most this many steps that the loss recovers from is "
+        "recorded, not rolled back (0: every spike the trainer flags is rolled back).",
     )
     max_restarts: NonNegativeInt = Field(
         default=5, description="Restarts that did not hold, per window, before escalating."

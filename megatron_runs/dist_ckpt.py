@@ -210,6 +210,7 @@ class Target:
     keep_last: int
     protect: frozenset[int] = frozenset()
     keep_seconds: float = 0.0
+    loss_trend: tuple[float, ...] = ()
 
 
 class Writer:
@@ -396,7 +397,10 @@ def _publish(target: Target, phases: Phases) -> Path:
                 if p.is_file() and not p.name.endswith(_SYNCED_BY_MEGATRON):
                     ck.fsync_path(p)
             phases.mark("fsync")
-            ck.write_meta(tmp, target.step, target.consumed_samples, target.loss, target.layout)
+            ck.write_meta(
+                tmp, target.step, target.consumed_samples, target.loss, target.layout,
+                loss_trend=target.loss_trend,
+            )  # fmt: skip
             phases.mark("meta")
             ck.publish(target.root, target.step)
             phases.mark("publish")

@@ -21,10 +21,11 @@ import torch  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
-from contracts import exitcodes  # noqa: E402
+from contracts import anomalies, exitcodes  # noqa: E402
 from contracts.spec import RunSpec  # noqa: E402
 from contracts.task import TrainContext  # noqa: E402
 from megatron_runs import replicas  # noqa: E402
+from megatron_runs.anomaly import LossTrend, SkipBudget, StepOutcome, judge  # noqa: E402
 from megatron_runs.data import MicroBatch, build_microbatches, to_device  # noqa: E402
 from megatron_runs.metrics import StepReport  # noqa: E402
 from megatron_runs.sampling import rank_slice, take_step  # noqa: E402
@@ -34,7 +35,8 @@ from megatron_runs.setup import SetupClock, StopFlag, Trainer, set_up  # noqa: E
 from megatron_runs.train import TrainResult  # noqa: E402
 
 #: The step's all-reduced stats: loss sum, microbatch count, stop signal; then one slot per
-#: node of the job, set where a device of that node made non-finite gradients.
+#: node of the job, set where a device of that node made non-finite gradients; then one slot
+#: per sample of the global batch, its own loss (`megatron_runs.anomaly` judges them).
 STATS_FIXED = 3
 
 
@@ -66,6 +68,9 @@ class _Step:
     signum: int
     #: Per node of the job: nonzero where a device of that node made non-finite gradients.
     made_nan: list[float]
+    #: The step's global sample indices and each one's own loss.
+    indices: tuple[int, ...]
+    sample_losses: list[float]
     busy: float
     wall: float
 
@@ -94,6 +99,12 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     checkpoints = Checkpointer(
         spec.checkpoint, tr.root, tr.layout, tr.resumed_from, tr.metrics, tr.faults, tr.log
     )
+    trend = LossTrend(spec.recovery.loss_spike_window)
+    for x in tr.loss_trend:
+        trend.add(x)
+    budget = SkipBudget(
+        spec.recovery.skipped_updates_budget, spec.recovery.skipped_updates_window_steps
+    )
     clock.mark("other")
     tr.log(
         "train_start", step=tr.step, cursor=tr.cursor, target=target, layout=tr.layout, cpu=CPU,
@@ -105,7 +116,12 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         done = _train_step(spec, ctx, tr, plan, stop)
         tr.step, tr.cursor = done.step, done.cursor
         losses.append(done.loss)
-        _report(spec, tr, plan, done)
+        bad = _judge(spec, ctx, tr, done, trend)
+        _report(spec, tr, plan, done, bad is not None)
+        if bad is not None and bad.update_skipped and budget.add(done.step):
+            _stop_on_budget(ctx, tr, budget, bad)
+            exit_code = exitcodes.SKIP_BUDGET
+            break
         check_every = t.replica_check_every
         if check_every and done.step % check_every == 0:
             _check_replicas(tr, done.step)
@@ -113,7 +129,9 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         stop_requested = done.signum > 0
         if done.step % spec.checkpoint.interval_steps == 0 or done.step >= target or stop_requested:
             finish_param_gather(tr.model)
-            checkpoints.save(tr.model, tr.optimizer, tr.step, tr.cursor, done.loss)
+            checkpoints.save(
+                tr.model, tr.optimizer, tr.step, tr.cursor, done.loss, tuple(trend.losses)
+            )
         if stop_requested and done.step < target:  # a signal at the last step changes nothing
             tr.log("stopping_on_signal", step=done.step, signal=done.signum)
             exit_code = exitcodes.REQUEUE
@@ -178,8 +196,16 @@ def _train_step(
         stats[0] = torch.stack([d["lm loss"] for d in out]).double().sum()
     if tr.local_grads[0] is not None:
         stats[STATS_FIXED + tr.node_index] = (~tr.local_grads[0]).double()
+    per_sample = torch.zeros(len(taken.indices), dtype=torch.float64, device=tr.device)
+    if plan.loss_reporter and out:
+        place = {g: i for i, g in enumerate(taken.indices)}
+        where = torch.tensor([place[g] for d in out for g in d["indices"]], device=tr.device)
+        per_sample[where] = torch.cat([d["sample_losses"] for d in out]).double()
+    stats = torch.cat([stats, per_sample])
     torch.distributed.all_reduce(stats)
-    loss_sum, count, signum, *made_nan = stats.tolist()
+    values = stats.tolist()
+    loss_sum, count, signum = values[:STATS_FIXED]
+    made_nan = values[STATS_FIXED : STATS_FIXED + len(tr.nodes)]
     return _Step(
         step=step,
         cursor=taken.next_cursor,
@@ -190,12 +216,59 @@ def _train_step(
         ok=ok,
         signum=int(signum),
         made_nan=made_nan,
+        indices=taken.indices,
+        sample_losses=values[STATS_FIXED + len(tr.nodes) :],
         busy=busy,
         wall=time.perf_counter() - step_start,
     )
 
 
-def _report(spec: RunSpec, tr: Trainer, plan: _Plan, done: _Step) -> None:
+def _judge(
+    spec: RunSpec, ctx: TrainContext, tr: Trainer, done: _Step, trend: LossTrend
+) -> anomalies.Anomaly | None:
+    """The step's verdict (the same on every rank); global rank 0 records a bad one before
+    the step's metrics move, so a scrape that counts it finds its record."""
+    outcome = StepOutcome(
+        step=done.step,
+        loss=done.loss,
+        indices=done.indices,
+        sample_losses=done.sample_losses,
+        update_skipped=not done.ok,
+        nonfinite_nodes=tuple(n for n, bad in zip(tr.nodes, done.made_nan, strict=True) if bad),
+        next_cursor=done.cursor,
+    )
+    bad = judge(outcome, trend, spec.recovery, ctx.attempt, time.time())
+    if bad is not None and tr.rank == 0:
+        anomalies.append(tr.root, bad)
+    return bad
+
+
+def _stop_on_budget(
+    ctx: TrainContext, tr: Trainer, budget: SkipBudget, last: anomalies.Anomaly
+) -> None:
+    """Record and log why the trainer stops: more skipped updates than the budget allows."""
+    stop = anomalies.Anomaly(
+        attempt=ctx.attempt,
+        step=last.step,
+        kind=anomalies.STOP,
+        samples=last.samples,
+        nodes=last.nodes,
+        consumed=last.consumed,
+        update_skipped=True,
+        t=time.time(),
+        skipped_updates=len(budget.steps),
+        window_steps=budget.window,
+    )
+    if tr.rank == 0:
+        anomalies.append(tr.root, stop)
+    tr.log(
+        "skip_budget_exceeded", step=last.step, skipped_updates=list(budget.steps),
+        budget=budget.budget, window_steps=budget.window, samples=[list(r) for r in last.samples],
+        nodes=list(last.nodes), exit_code=exitcodes.SKIP_BUDGET,
+    )  # fmt: skip
+
+
+def _report(spec: RunSpec, tr: Trainer, plan: _Plan, done: _Step, bad: bool) -> None:
     """The step into this node's metrics, and a `step` log line every `log_interval` steps
     and on every skipped update."""
     if tr.metrics is not None:
@@ -212,6 +285,7 @@ def _report(spec: RunSpec, tr: Trainer, plan: _Plan, done: _Step) -> None:
                 node_step_time=done.busy,
                 mfu=plan.flops_step / (done.wall * plan.peak) if plan.peak else 0.0,
                 local_grads_finite=done.made_nan[tr.node_index] == 0,
+                anomalous=bad,
             )
         )
     if done.step % spec.training.log_interval == 0 or not done.ok:
@@ -260,7 +334,13 @@ def forward_step(data_iterator: object, model: object) -> tuple[torch.Tensor, Ca
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict]:
         weighted = output.float().reshape(-1) * b.loss_mask.reshape(-1)
         loss = weighted.sum() / b.loss_mask.numel()
+        # Each sample's own loss, for the step's verdict (megatron_runs.anomaly).
+        rows = weighted.detach().reshape(len(b.indices), -1)
         # The schedule divides the returned loss in place: report a detached copy.
-        return loss, {"lm loss": loss.detach().clone()}
+        return loss, {
+            "lm loss": loss.detach().clone(),
+            "sample_losses": rows.sum(dim=1) / rows.shape[1],
+            "indices": b.indices,
+        }
 
     return per_token, loss_func

@@ -32,6 +32,7 @@ class StepReport:
     node_step_time: float
     mfu: float
     local_grads_finite: bool = True  # this node's own gradients, before reduction
+    anomalous: bool = False  # the trainer judged the step bad (megatron_runs.anomaly)
 
 
 class TrainMetrics:
@@ -88,6 +89,8 @@ class TrainMetrics:
         m["grad_norm"].set(r.grad_norm)
         if not finite:
             m["nonfinite_steps"].inc()
+        if r.anomalous:
+            m["anomalous_steps"].inc()
         if math.isfinite(r.loss):
             m["loss_summed"].inc(r.loss)
         # Windows keep NaN/Inf out of max/min (a NaN poisons comparisons), but an Inf loss

@@ -54,12 +54,20 @@ class Checkpointer:
         self.started = 0.0  # when the save in flight began
         self.stall = 0.0  # how long the loop has waited for it so far
 
-    def save(self, model: list, optimizer: object, step: int, cursor: int, loss: float) -> None:
+    def save(
+        self,
+        model: list,
+        optimizer: object,
+        step: int,
+        cursor: int,
+        loss: float,
+        loss_trend: tuple[float, ...] = (),
+    ) -> None:
         """Save at `step` (collective); with async saves, start it and return."""
         self.finish()
         target = dist_ckpt.Target(
             self.root, step, cursor, loss, self.layout, self.spec.keep_last, self.protect,
-            self.spec.keep_seconds,
+            self.spec.keep_seconds, loss_trend,
         )  # fmt: skip
         t0 = self.started = time.perf_counter()
         try:

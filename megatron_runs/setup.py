@@ -129,6 +129,8 @@ class Trainer:
     cursor: int
     resumed_from: int | None
     metrics: TrainMetrics | None
+    #: The good steps' losses the resumed checkpoint kept for the spike judgement.
+    loss_trend: tuple[float, ...] = ()
 
 
 def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
@@ -163,7 +165,7 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     dp_size = ps.get_data_parallel_world_size()
     root = Path(ctx.checkpoint_dir)
     clock.mark("other")
-    step, cursor, resumed_from = _resume(model, optimizer, root, ctx, rank, log, clock)
+    step, cursor, resumed_from, loss_trend = _resume(model, optimizer, root, ctx, rank, log, clock)
     metrics = None
     if ctx.metrics_port is not None and local_rank == 0:
         metrics = _serve_metrics(ctx, rank, t.train_steps, step, cursor, log)
@@ -179,6 +181,7 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
         },
         root=root,
         step=step, cursor=cursor, resumed_from=resumed_from, metrics=metrics,
+        loss_trend=loss_trend,
     )  # fmt: skip
 
 
@@ -326,14 +329,15 @@ def _resume(
     rank: int,
     log: Log,
     clock: SetupClock,
-) -> tuple[int, int, int | None]:
-    """Load the checkpoint to go on from: (step, sample cursor, the step resumed from); from
-    scratch (0, 0, None) when `root` holds none. Rank 0 then unpins the older checkpoints."""
+) -> tuple[int, int, int | None, tuple[float, ...]]:
+    """Load the checkpoint to go on from: (step, sample cursor, the step resumed from, its
+    loss trend); from scratch (0, 0, None, ()) when `root` holds none. Rank 0 then unpins the
+    older checkpoints."""
     info = ck.choose(root, ctx.resume_step)
     if ctx.resume_step and (info is None or info.step != ctx.resume_step):
         log("resume_step_unavailable", asked=ctx.resume_step, using=info.step if info else 0)
     if info is None:
-        return 0, 0, None
+        return 0, 0, None, ()
     t0 = time.perf_counter()
     loaded = dist_ckpt.load(model, optimizer, info)
     fuse_adam(optimizer)
@@ -345,7 +349,7 @@ def _resume(
             ck.unpin_below(root, step)
         except OSError as exc:  # housekeeping: never worth a crash loop
             log("unpin_failed", error=repr(exc))
-    return step, loaded.consumed_samples, info.step
+    return step, loaded.consumed_samples, info.step, info.loss_trend
 
 
 def _serve_metrics(

@@ -21,7 +21,7 @@ from benchmarks.soak.reference import Skips, normalized
 from benchmarks.soak.schedule import Schedule
 from benchmarks.soak.score import Remedy
 from benchmarks.soak.services import Cluster, Supervisor
-from supervisor.models import Action, Attempt, Run
+from supervisor.models import Action, Attempt, Incident, Run
 
 #: Recorded actions that are remedies (submit / cancel / complete are bookkeeping).
 REMEDY_KINDS = frozenset({"restart", "rollback", "exclude_node", "requeue", "escalate"})
@@ -141,6 +141,13 @@ def recorded_remedies(supervisor: Supervisor, run_id: str) -> tuple[list[Remedy]
                 for a in actions
                 if a.kind in REMEDY_KINDS
             ]
+            held = s.scalars(
+                select(Incident).where(Incident.run_id == run_id, Incident.kind == "contained")
+            ).all()
+            remedies += [
+                contained_of(i.detected_ts.timestamp(), i.evidence_json or {}) for i in held
+            ]
+            remedies.sort(key=lambda r: r.t)
     finally:
         db.dispose()
     escalations = sum(1 for r in remedies if r.kind == "escalate")
@@ -158,6 +165,17 @@ def remedy_of(t: float, kind: str, evidence: dict[str, Any]) -> Remedy:
         skips=normalized(evidence.get("skip_ranges") or ()),
         finding_nodes=tuple(evidence.get("finding_nodes") or ()),
         attempt_nodes=tuple(evidence.get("attempt_nodes") or ()),
+    )
+
+
+def contained_of(t: float, evidence: dict[str, Any]) -> Remedy:
+    """A contained fault's incident as the soak scores it: no action, the cause it names."""
+    return Remedy(
+        t,
+        "contained",
+        cause="loss_spike" if evidence.get("episode") == "spike" else "nonfinite",
+        skips=normalized(evidence.get("bad_samples") or ()),
+        finding_nodes=tuple(evidence.get("nodes") or ()),
     )
 
 

@@ -50,6 +50,8 @@ INFRA_FAULTS = frozenset(
 )
 #: The remedies that cure each fault (the last remedy before recovery must be one of these;
 #: empty = none may be taken). A node fault may first be tried as data/restart, then excluded.
+#: Poisoned data is by its effect (`cures`): a spike is rolled back past, NaN batches within
+#: the trainer's skipped-update budget are contained.
 CURES: dict[FaultKind, frozenset[str]] = {
     FaultKind.POISON_DATA: frozenset({"rollback"}),
     FaultKind.NAN_NODE: frozenset({"exclude_node"}),
@@ -140,6 +142,13 @@ class Schedule:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def cures(fault: ScheduledFault) -> frozenset[str]:
+    """The remedies that cure `fault` (CURES, with NaN batches contained)."""
+    if fault.kind is FaultKind.POISON_DATA and fault.params.get("effect") == "nan":
+        return frozenset({"contained"})
+    return CURES[fault.kind]
 
 
 def spec_fault(fault: ScheduledFault) -> dict[str, Any]:

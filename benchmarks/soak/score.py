@@ -16,13 +16,18 @@ Definitions (the same for Nightwatch and the baseline):
   rollback to before a fault scheduled later, are scored each on its own. A remedy that
   records no cause (the baseline's requeues) goes to the latest fault that struck before it.
 - detected: some remedy was matched; detection latency: its first remedy − fault time.
-- cured by: the last remedy matched; right action: it is one of `schedule.CURES[kind]`
+- cured by: the last remedy matched; right action: it is one of `schedule.cures(fault)`
   (infra faults: no remedy at all is the right action), and an exclusion names the faulty node.
-- recovered: a process group that started after the last remedy trained a good step past its
-  resume step (the first such group: a cure placed on the next fault's node recovers with
-  the group after that fault's cure); MTTR = that moment − fault time.
+  A fault the trainer contained (its updates skipped, no action) is cured by `contained`: the
+  supervisor's incident for it, which names its samples or node.
+- recovered: (contained) a good step after the fault; else a process group that started after
+  the last remedy trained a good step past its resume step (the first such group: a cure
+  placed on the next fault's node recovers with the group after that fault's cure);
+  MTTR = that moment − fault time.
 - steps lost: for each restart that a matched remedy caused, the step the previous group had
-  reached minus the step the restart resumed from.
+  reached minus the step the restart resumed from (a contained fault causes none).
+- samples skipped (poisoned data): the samples the matched remedies skipped, against the
+  window plus the spec's margin (`skip_allowance`).
 - a remedy matched to no fault is a false positive (those taken during an infra fault's
   outage are listed on it as its wrong action).
 - ETTR: good steps of the final trajectory × the system's own pace / wall time (submit →
@@ -46,8 +51,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.soak.progress import Progress, StartEvent, StepEvent, final_trajectory, time_to_step
-from benchmarks.soak.reference import Skips, compare_losses
-from benchmarks.soak.schedule import CURES, INFRA_FAULTS, NODE_FAULTS, FaultKind, ScheduledFault
+from benchmarks.soak.reference import Skips, compare_losses, normalized
+from benchmarks.soak.schedule import INFRA_FAULTS, NODE_FAULTS, FaultKind, ScheduledFault, cures
 
 _NUMERIC = frozenset({"nonfinite", "loss_spike", "grad_explosion"})
 _JOB_ENDED = frozenset({"job_failed", "job_lost", "hang"})
@@ -109,6 +114,9 @@ class FaultScore:
     mttr_s: float | None
     steps_lost: int
     note: str = ""
+    samples_skipped: int = 0
+    #: The most a remedy may skip for it: a poisoned window's size plus the spec's margin.
+    skip_allowance: int = 0
 
 
 @dataclass(frozen=True)
@@ -296,11 +304,24 @@ def _outage(inj: Injection, t0: float) -> tuple[float, float]:
     return t0, t0 + float(inj.fault.params.get("down_s", 0.0)) + INFRA_GRACE_S
 
 
+def skipped_for(inj: Injection, mine: Sequence[Remedy], margin: int) -> tuple[int, int]:
+    """(samples the remedies matched to a poisoned window skipped, the window plus `margin`);
+    (0, 0) for other faults."""
+    params = inj.fault.params
+    if inj.fault.kind is not FaultKind.POISON_DATA or "start_sample" not in params:
+        return 0, 0
+    actions = [r for r in mine if r.kind != "contained"]
+    union = normalized([s for r in actions for s in r.skips])
+    window = int(params["end_sample"]) - int(params["start_sample"])
+    return sum(b - a for a, b in union), window + margin
+
+
 def score_fault(
     inj: Injection,
     t0: float | None,
     mine: Sequence[Remedy],
     progress: Progress,
+    skip_margin: int = 0,
 ) -> FaultScore:
     """One fault, with the remedies matched to it (t0 None: it never struck)."""
     kind = inj.fault.kind
@@ -317,9 +338,12 @@ def score_fault(
             None, not mine, not mine, None, lost, inj.note,
         )  # fmt: skip
     recovered_t = None
-    if mine:
+    if mine and mine[-1].kind == "contained":
+        recovered_t = next((e.t for e in progress.steps if e.t > t0 and not e.bad), None)
+    elif mine:
         later = [s for s in progress.starts if s.t >= mine[-1].t]
         recovered_t = _recovery(progress, later)
+    skipped, allowance = skipped_for(inj, mine, skip_margin)
     return FaultScore(
         kind=kind.value,
         at_step=inj.fault.at_step,
@@ -329,11 +353,15 @@ def score_fault(
         detected=bool(mine),
         detection_latency_s=(mine[0].t - t0) if mine else None,
         cured_by=mine[-1].kind if mine else None,
-        right_action=bool(mine) and mine[-1].kind in CURES[kind] and _right_node(inj, mine[-1]),
+        right_action=bool(mine)
+        and mine[-1].kind in cures(inj.fault)
+        and _right_node(inj, mine[-1]),
         recovered=recovered_t is not None,
         mttr_s=None if recovered_t is None else recovered_t - t0,
         steps_lost=lost,
         note="; ".join(n for n in (inj.note, _contained(inj, progress, mine)) if n),
+        samples_skipped=skipped,
+        skip_allowance=allowance,
     )
 
 
@@ -380,6 +408,8 @@ def _restarts(progress: Progress, remedies: Sequence[Remedy]) -> list[StartEvent
     """The process group each remedy started (the first to start after it)."""
     out: list[StartEvent] = []
     for r in remedies:
+        if r.kind == "contained":
+            continue  # nothing was restarted
         start = next((s for s in progress.starts if s.t >= r.t), None)
         if start is not None and start not in out:
             out.append(start)
@@ -455,6 +485,7 @@ def score_system(
     reference_submit_t: float | None,
     emulated_steps: Sequence[int] = (),
     pace_window: int = 10,
+    skip_margin: int = 0,
 ) -> SystemScore:
     traj = final_trajectory(progress)
     final_step = max(traj, default=0)
@@ -473,7 +504,8 @@ def score_system(
                 r for r, o in zip(remedies, owner, strict=True) if o is None and lo <= r.t < hi
             ]
     faults = [
-        score_fault(inj, t, m, progress) for inj, t, m in zip(injections, times, mine, strict=True)
+        score_fault(inj, t, m, progress, skip_margin)
+        for inj, t, m in zip(injections, times, mine, strict=True)
     ]
     false_pos = sum(1 for o in owner if o is None)
     wall = max(1e-9, end_t - submit_t)

@@ -15,6 +15,7 @@ from supervisor.store.actions import (
     begin_action,
     finish_action,
     open_incident,
+    recorded_incident_keys,
     set_node_health,
     update_incident,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "operator_action_recorded",
     "record_checkpoint",
     "record_event",
+    "recorded_incident_keys",
     "register_endpoint",
     "renew_lease",
     "request_cancel",

@@ -3,7 +3,7 @@ incidents and node health."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -129,6 +129,14 @@ def open_incident(
     )
     session.commit()
     return incident
+
+
+def recorded_incident_keys(session: Session, run_id: str, kinds: Sequence[str]) -> set[str]:
+    """The trainer records (`evidence.record`) the run's incidents of `kinds` were made from."""
+    rows = session.scalars(
+        select(Incident.evidence_json).where(Incident.run_id == run_id, Incident.kind.in_(kinds))
+    )
+    return {str(ev["record"]) for ev in rows if ev and ev.get("record")}
 
 
 def update_incident(session: Session, incident_id: int, **fields: Any) -> None:

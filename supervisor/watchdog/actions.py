@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from contracts import checkpoints
+from contracts import anomalies, checkpoints
 from contracts.paths import attempt_log_dir, checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor import store
@@ -72,14 +72,8 @@ ROLLS_BACK = frozenset({RemedyKind.ROLLBACK, RemedyKind.EXCLUDE_NODE})
 
 
 def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Union of half-open ranges, sorted; re-applying the same skip changes nothing."""
-    out: list[list[int]] = []
-    for lo, hi in sorted((int(a), int(b)) for a, b in ranges):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
-        else:
-            out.append([lo, hi])
-    return out
+    """Union of half-open ranges, sorted, as JSON lists; re-applying a skip changes nothing."""
+    return [list(r) for r in anomalies.merge_ranges((a, b) for a, b in ranges)]
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ from supervisor import accounting, store
 from supervisor.db import Database
 from supervisor.metrics_in import MetricsView, SourceHealth
 from supervisor.models import Attempt, AttemptState, Incident, IncidentState, Run, RunState
+from supervisor.watchdog.detectors.trainer import Episode
 from supervisor.watchdog.observe import as_datetime
-from supervisor.watchdog.snapshot import JobView, Remedy, RemedyKind
+from supervisor.watchdog.snapshot import Cause, FindingKind, JobView, Remedy, RemedyKind
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ def recoveries(
 class Ledger:
     def __init__(self, db: Database) -> None:
         self.db = db
+        #: run → the trainer records its incidents were made from (read once per process)
+        self._recorded: dict[str, set[str]] = {}
 
     def record_observation(
         self,
@@ -232,6 +235,42 @@ class Ledger:
         incidents.append(incident)
         return incident.id, True
 
+    def record_episodes(
+        self, run: Run, attempt: int, found: Sequence[Episode], kind: FindingKind
+    ) -> int:
+        """Episodes of the trainer's record not yet written down, each as one incident of
+        `kind` with its evidence, once (keyed by its first record): CONTAINED ones need no
+        remedy and are over as soon as recorded; others were seen too late for one (the run
+        had ended) and stay open. Returns how many were written."""
+        if not found:
+            return 0
+        recorded = self._recorded.get(run.id)
+        if recorded is None:
+            with self.db.session() as s:
+                recorded = store.recorded_incident_keys(
+                    s, run.id, [FindingKind.CONTAINED.value, FindingKind.LOSS_SPIKE.value]
+                )
+            self._recorded[run.id] = recorded
+        new = [e for e in found if e.key not in recorded]
+        if not new:
+            return 0
+        with self.db.write_session() as s:
+            for e in new:
+                incident = store.open_incident(
+                    s, run.id, attempt, kind.value,
+                    evidence=episode_evidence(e, kind), fault_ts=as_datetime(e.records[0].t),
+                )  # fmt: skip
+                if kind is FindingKind.CONTAINED:
+                    store.update_incident(
+                        s, incident.id, state=IncidentState.RECOVERED, remedy=RemedyKind.NONE.value,
+                        recovered_ts=as_datetime(e.records[-1].t), steps_lost=0,
+                    )  # fmt: skip
+        recorded.update(e.key for e in new)
+        return len(new)
+
+    def forget(self, run_id: str) -> None:
+        self._recorded.pop(run_id, None)
+
     def close_incidents(self, incidents: Sequence[Incident], now: float) -> None:
         """The run reached its target with incidents whose recovery was never scraped (a short
         attempt can end between scrapes): dated now, steps lost from the remedy's evidence."""
@@ -247,6 +286,26 @@ class Ledger:
                     recovered_ts=incident.recovered_ts or as_datetime(now),
                     steps_lost=accounting.steps_lost(ev.get("step"), ev.get("resume_from")),
                 )
+
+
+def episode_evidence(episode: Episode, kind: FindingKind) -> dict[str, Any]:
+    """An episode's incident evidence (pure): the steps, samples, nodes, losses it names."""
+    records = episode.records
+    what = "contained" if kind is FindingKind.CONTAINED else "seen after the run ended"
+    return {
+        "finding": (f"trainer: {episode.kind} at steps {episode.first}-{episode.last} ({what})"),
+        "record": episode.key,
+        "episode": episode.kind,
+        "cause": Cause.NODE.value if episode.nodes and not episode.samples else Cause.DATA.value,
+        "first_bad_step": episode.first,
+        "last_healthy_step": episode.first - 1,
+        "steps": [a.step for a in records],
+        "bad_samples": [list(r) for r in episode.samples],
+        "nodes": list(episode.nodes),
+        "losses": [a.loss for a in records],
+        "updates_skipped": sum(a.update_skipped for a in records),
+        "remedies": [],
+    }
 
 
 def _record_checkpoints(s: Session, run_id: str, infos: Sequence[CheckpointInfo]) -> None:

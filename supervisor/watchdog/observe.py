@@ -21,6 +21,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, defer
 
+from contracts.anomalies import Anomaly, ledger_path
+from contracts.anomalies import parse as parse_anomalies
 from contracts.checkpoints import CheckpointInfo, list_checkpoints
 from contracts.paths import attempt_log_dir, checkpoint_dir
 from contracts.spec import RunSpec
@@ -107,6 +109,8 @@ class Observer:
         self.home = home
         self._specs: dict[str, RunSpec] = {}
         self._log_causes: dict[tuple[str, int], LogCause] = {}
+        #: run → (the trainer's record file's size and mtime, its records)
+        self._anomalies: dict[str, tuple[tuple[int, int], list[Anomaly]]] = {}
 
     def read_db(self) -> World:
         """The database's part of the world: one query per table for every run."""
@@ -127,6 +131,7 @@ class Observer:
         self._log_causes = {k: v for k, v in self._log_causes.items() if k in current}
         keep = {r.id for r in [*pending, *watched]}
         self._specs = {k: v for k, v in self._specs.items() if k in keep}
+        self._anomalies = {k: v for k, v in self._anomalies.items() if k in keep}
         return world
 
     def read_sources(self, world: World, now: float) -> None:
@@ -174,6 +179,25 @@ class Observer:
         if run.resume_step is not None:  # rolled back once: later checkpoints may be tainted
             refs = trusted_checkpoints(refs, self._rollbacks(run.id))
         return Disk(refs, [c for c in infos if c.step > known])
+
+    def anomalies(self, run: Run, spec: RunSpec) -> list[Anomaly]:
+        """The trainer's records of the run's bad steps (all attempts), re-read only when the
+        file changed: one stat a tick for a run that has none."""
+        path = ledger_path(checkpoint_dir(self.home, run.id, spec))
+        try:
+            st = path.stat()
+        except OSError:
+            return []
+        stamp = (st.st_size, st.st_mtime_ns)
+        cached = self._anomalies.get(run.id)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        try:
+            records = parse_anomalies(path.read_text())
+        except OSError:
+            return cached[1] if cached else []
+        self._anomalies[run.id] = (stamp, records)
+        return records
 
     def log_cause(
         self, run: Run, attempt: Attempt, status: JobStatus | None, view: MetricsView

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from contracts.anomalies import merge_ranges
 from contracts.spec import RecoverySpec
 from supervisor.metrics_in import SourceHealth
 from supervisor.watchdog.snapshot import (
@@ -306,20 +307,37 @@ def _rollback(
     why: str,
     min_skip: int = 0,
 ) -> Remedy:
-    skips: tuple[tuple[int, int], ...] = ()
-    if finding.sample_window is not None:
-        lo, hi = finding.sample_window
-        skips = ((lo, max(hi + rc.rollback_skip_steps * global_batch, lo + min_skip)),)
+    skips = skip_ranges(finding, rc, global_batch, min_skip)
     to_step = rollback_target(finding, history)
+    shown = ", ".join(f"[{a}, {b})" for a, b in skips)
     return Remedy(
         RemedyKind.ROLLBACK,
-        f"{why}: roll back to step {to_step}"
-        + (f", skip samples [{skips[0][0]}, {skips[0][1]})" if skips else ""),
+        f"{why}: roll back to step {to_step}" + (f", skip samples {shown}" if skips else ""),
         finding=finding,
         suspect=Cause.DATA,
         to_step=to_step,
         skip_ranges=skips,
     )
+
+
+def skip_ranges(
+    finding: Finding, rc: RecoverySpec, global_batch: int, min_skip: int = 0
+) -> tuple[tuple[int, int], ...]:
+    """What a rollback skips: the bad samples the trainer named, each followed by the spec's
+    margin; else the window between the scrapes around the onset and `rollback_skip_steps`
+    steps more. At least `min_skip` samples from the window's start when the bad data ran on
+    past an earlier skip."""
+    if finding.bad_samples:
+        margin = rc.skip_margin_samples
+        ranges = merge_ranges((a, b + margin) for a, b in finding.bad_samples)
+        lo, hi = ranges[0][0], ranges[-1][1]
+        if hi - lo < min_skip:
+            ranges = merge_ranges([*ranges, (lo, lo + min_skip)])
+        return ranges
+    if finding.sample_window is None:
+        return ()
+    lo, hi = finding.sample_window
+    return ((lo, max(hi + rc.rollback_skip_steps * global_batch, lo + min_skip)),)
 
 
 def _adjoins_skips(finding: Finding, remedies: Sequence[PastRemedy], global_batch: int) -> bool:

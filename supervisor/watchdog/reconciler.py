@@ -41,13 +41,13 @@ from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobState, SourceUnavailable, make_cluster
 from supervisor.watchdog import policy, strays
 from supervisor.watchdog.actions import ActContext, ActionKind, Actuator, ActuatorConfig
-from supervisor.watchdog.detectors import detect_all
+from supervisor.watchdog.detectors import contained, detect_all, unremedied_spikes
 from supervisor.watchdog.lease import Deposed, LeaseGuard
 from supervisor.watchdog.ledger import Ledger
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.observe import Observer, World, job_view, ts
 from supervisor.watchdog.progress import changed, observed_progress
-from supervisor.watchdog.snapshot import Finding, Remedy, RemedyKind, Snapshot
+from supervisor.watchdog.snapshot import Finding, FindingKind, Remedy, RemedyKind, Snapshot
 from supervisor.watchdog.telemetry import Telemetry
 
 log = logging.getLogger("nightwatch.watchdog")
@@ -331,12 +331,24 @@ class Reconciler:
             disk_checkpoint_step=disk.step,
             attempt_started_at=ts(attempt.started_at),
             startup_seconds_seen=max((t for t in startup if t > 0), default=None),
+            anomalies=tuple(
+                a for a in self.observer.anomalies(run, spec) if a.attempt == attempt.number
+            ),
+        )
+        self.ledger.record_episodes(
+            run, attempt.number, contained(snap, spec.recovery), FindingKind.CONTAINED
         )
         if (
             job.state is AttemptState.COMPLETED
             and disk.step is not None
             and disk.step >= run.target_steps
         ):
+            # A spike the run trained through to its end: no remedy can come now, but it is
+            # written down with its evidence.
+            self.ledger.record_episodes(
+                run, attempt.number, unremedied_spikes(snap, spec.recovery), FindingKind.LOSS_SPIKE
+            )
+            self.ledger.forget(run.id)
             self.actuator.complete_run(run.id, attempt.number, disk.step)
             self.ledger.close_incidents(incidents, now)
             self.telemetry.run_finished(run.id)

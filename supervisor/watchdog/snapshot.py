@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts.anomalies import Anomaly
 from supervisor.metrics_in.types import MetricsView, SourceHealth
 from supervisor.models import AttemptState
 
@@ -60,6 +61,8 @@ class Snapshot:
     attempt_started_at: float | None = None  # when SLURM was first seen running the job
     # Slowest start → first step of this run's attempts seen by this supervisor process.
     startup_seconds_seen: float | None = None
+    #: The trainer's records of this attempt's bad steps (`contracts.anomalies`), oldest first.
+    anomalies: tuple[Anomaly, ...] = ()
 
 
 class FindingKind(enum.StrEnum):
@@ -81,6 +84,9 @@ class FindingKind(enum.StrEnum):
     JOB_LOST = "job_lost"
     JOB_ENDED_EARLY = "job_ended_early"  # exit 0 before target: walltime chaining
     JOB_NO_GPU = "job_no_gpu"  # a GPU run's rank found fewer GPUs than it was given
+    #: Bad steps the trainer contained (updates skipped, or a tolerated spike): recorded as an
+    #: incident with its evidence, no remedy.
+    CONTAINED = "contained"
 
 
 #: Faults of the training numerics: the same remedy ladder (data → node → person) applies.
@@ -107,6 +113,9 @@ class Finding:
     first_bad_step: int | None = None
     sample_window: tuple[int, int] | None = None
     nodes: tuple[str, ...] = ()
+    #: The exact bad samples, when the trainer named them: a data remedy skips these (plus the
+    #: spec's margin) instead of the whole `sample_window`.
+    bad_samples: tuple[tuple[int, int], ...] = ()
 
 
 class RemedyKind(enum.StrEnum):

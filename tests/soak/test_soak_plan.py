@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.chaos_soak import Mode, acceptance, mode_from_args, parse_args, soak_spec
+from benchmarks.chaos_soak import (
+    Mode,
+    _without_seeds,
+    acceptance,
+    mode_from_args,
+    parse_args,
+    parse_seeds,
+    soak_spec,
+)
 from benchmarks.soak.baseline import ReferenceMismatch, load_reference, sbatch_script
 from benchmarks.soak.faults import elapsed_minutes
 from benchmarks.soak.reference import ReferencePlan, Segment
@@ -103,10 +111,35 @@ def test_acceptance_names_what_failed() -> None:
         "loss differs from the exact reference at 0 of 0 steps"
     )
     assert acceptance(unreferenced, clean=True, compare_loss=False) == []
+    # A remedy no fault explains; a rollback past more than the window; a contained fault
+    # that cost steps: each fails on its own.
+    fp = dataclasses.replace(ok, false_positives=1)
+    assert acceptance(fp, clean=False) == ["1 false positive(s)"]
+    cured = FaultScore(
+        "poison_data", 29, 10.0, True, ["rollback"], True, 1.0, "rollback", True, True, 3.0, 9,
+        samples_skipped=40, skip_allowance=24,
+    )  # fmt: skip
+    assert acceptance(dataclasses.replace(ok, faults=[cured]), clean=False) == [
+        "poison_data: 40 samples skipped, more than the window and its margin (24)"
+    ]
+    held = dataclasses.replace(cured, cured_by="contained", samples_skipped=0, steps_lost=2)
+    assert acceptance(dataclasses.replace(ok, faults=[held]), clean=False) == [
+        "poison_data: contained, yet 2 steps lost"
+    ]
     # Without a reference a fault soak measures, but cannot pass: its loss point is unproven.
     assert acceptance(unreferenced, clean=False, compare_loss=False) == [
         "final loss not compared: no fault-free reference (--no-reference)"
     ]
+
+
+def test_a_sweep_names_its_seeds_and_runs_each_without_the_sweep_flags() -> None:
+    assert parse_seeds("1-3,7") == [1, 2, 3, 7]
+    assert parse_args(["--short", "--seeds", "1-20"]).seeds == list(range(1, 21))
+    for bad in ("3-1", "x", ","):
+        with pytest.raises(SystemExit):
+            parse_args(["--seeds", bad])
+    argv = ["--short", "--seeds", "1-3", "--out", "/tmp/x", "--base-port", "18100", "--seed=4"]
+    assert _without_seeds(argv) == ["--short", "--base-port", "18100"]
 
 
 def test_a_reference_is_reused_only_for_its_own_spec(tmp_path: Path) -> None:

@@ -119,6 +119,37 @@ def test_baseline_that_never_restarts_is_not_detected_and_keeps_bad_steps() -> N
     assert base.bad_steps_kept == 2 and base.good_steps == 98
 
 
+def test_a_contained_nan_batch_is_cured_by_containment_with_no_step_lost() -> None:
+    """NaN samples [320, 328) at step 41: the update was skipped, the supervisor recorded the
+    contained incident at t=43 and took no action; the crash's later restart is the crash's."""
+    p = run([(0, 0, 80, "1/1"), (205, 70, 100, "2/2")])
+    for i, e in enumerate(p.steps):
+        if e.step == 41:
+            p.steps[i] = StepEvent(e.t, e.step, math.nan, e.incarnation, skipped_update=True)
+    window = {"start_sample": 320, "end_sample": 328, "effect": "nan"}
+    nan_batch = Injection(ScheduledFault(FaultKind.POISON_DATA, 41, window), None)
+    held = Remedy(43.0, "contained", cause="nonfinite", skips=((320, 328),))
+    nw = score_system(
+        "nightwatch", injections=[nan_batch, CRASH], progress=p,
+        remedies=[held, Remedy(203.0, "restart")], escalations=0, submit_t=0.0, end_t=240.0,
+        target_steps=100, reference=None, reference_submit_t=None,
+    )  # fmt: skip
+    contained, crash = nw.faults
+    assert contained.cured_by == "contained" and contained.right_action and contained.recovered
+    assert contained.steps_lost == 0 and contained.samples_skipped == 0
+    assert contained.mttr_s == 2.0  # step 42, the next good one, ended at t=42; the fault at 40
+    assert crash.right_action and crash.steps_lost == 10 and nw.false_positives == 0
+    # A rollback is not the cure of a NaN batch the trainer contains.
+    rolled = score_system(
+        "nightwatch", injections=[nan_batch], progress=p,
+        remedies=[Remedy(43.0, "rollback", cause="nonfinite", skips=((320, 336),))],
+        escalations=0, submit_t=0.0, end_t=240.0, target_steps=100, reference=None,
+        reference_submit_t=None,
+    )  # fmt: skip
+    (f,) = rolled.faults
+    assert not f.right_action and (f.samples_skipped, f.skip_allowance) == (16, 8)
+
+
 def test_infra_fault_right_action_is_no_remedy_and_untriggered_is_reported() -> None:
     prom = Injection(ScheduledFault(FaultKind.PROMETHEUS_RESTART, 30, {"down_s": 10}), 30.5)
     never = Injection(ScheduledFault(FaultKind.NODE_DEATH, 500, {"job_node": 1}), None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -12,6 +13,7 @@ from sqlalchemy import select
 from watchdog_curves import Faults, simulate
 from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
 
+from contracts import anomalies, exitcodes
 from contracts.checkpoints import pinned
 from contracts.paths import checkpoint_dir
 from contracts.spec import RunSpec
@@ -628,3 +630,94 @@ def test_a_training_run_shows_its_progress_every_tick_it_moves(
     ]
     assert rec.tick().progress[run_id]["step"] == 14
     assert get_run(db, run_id).progress_json["loss"] == 2.5
+
+
+def _record(ckpt: Path, *records: anomalies.Anomaly) -> None:
+    for a in records:
+        anomalies.append(ckpt, a)
+
+
+def _trained(run_id: str, upto: int, attempt: int = 1) -> list[MetricSample]:
+    now = time.time()
+    return [
+        MetricSample(t=now - upto + s, step=s, loss=3.0, samples_consumed=8 * s, nonfinite_total=0)
+        for s in range(1, upto + 1)
+    ]
+
+
+def test_a_contained_nan_batch_is_recorded_once_and_nothing_is_done(
+    db: Database, tmp_path: Path
+) -> None:
+    """The trainer skipped the update of a NaN batch (samples [256, 264) at step 33): one
+    `contained` incident with that evidence, no action, and none again after a supervisor
+    restart (a new reconciler reads the same record)."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, _job = running(db, tmp_path, cluster, source)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(TINY_SPEC))
+    samples = _trained(run_id, 40)
+    samples[32:] = [dataclasses.replace(s, nonfinite_total=1.0) for s in samples[32:]]
+    source.samples[(run_id, 1)] = samples
+    nan = anomalies.Anomaly(
+        1, 33, anomalies.NONFINITE, ((256, 264),), ("n1",), (256, 264), True, t=time.time() - 7
+    )
+    _record(ckpt, nan)
+    for reconciler in (rec, make(db, tmp_path, cluster, source)):
+        result = reconciler.tick()
+        assert run_id not in result.remedies
+    (incident,) = rows(db, Incident, run_id)
+    assert (incident.kind, incident.state, incident.remedy, incident.steps_lost) == (
+        FindingKind.CONTAINED.value, IncidentState.RECOVERED, "none", 0,
+    )  # fmt: skip
+    ev = incident.evidence_json
+    assert ev["bad_samples"] == [[256, 264]] and ev["steps"] == [33] and ev["cause"] == "data"
+    assert cluster.cancelled == [] and len(cluster.submitted) == 1
+    assert get_run(db, run_id).state is RunState.RUNNING
+
+
+def test_the_trainers_budget_stop_rolls_back_past_exactly_its_samples(
+    db: Database, tmp_path: Path
+) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(TINY_SPEC))
+    write_checkpoint(ckpt, 20, 160)
+    bad = [
+        anomalies.Anomaly(
+            1,
+            s,
+            anomalies.NONFINITE,
+            ((8 * s - 8, 8 * s),),
+            (),
+            (8 * s - 8, 8 * s),
+            True,
+            t=time.time(),
+        )
+        for s in (25, 26, 27, 28)
+    ]
+    stop = dataclasses.replace(bad[-1], kind=anomalies.STOP, skipped_updates=4, window_steps=100)
+    _record(ckpt, *bad, stop)
+    cluster.set(job, JobState.FAILED, exit_code=exitcodes.SKIP_BUDGET)
+    remedy = rec.tick().remedies[run_id]
+    assert remedy.kind is RemedyKind.ROLLBACK and remedy.to_step == 20
+    assert remedy.skip_ranges == ((192, 224),)
+    assert remedy.finding is not None and remedy.finding.kind is FindingKind.NONFINITE
+    assert get_run(db, run_id).skip_ranges_json == [[192, 224]]
+
+
+def test_a_spike_seen_only_after_the_run_ended_is_still_recorded(
+    db: Database, tmp_path: Path
+) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(TINY_SPEC))
+    write_checkpoint(ckpt, 300, 2400)
+    spike = anomalies.Anomaly(1, 299, anomalies.SPIKE, ((2384, 2392),), (), (2384, 2392),
+                              loss=90.0, threshold=7.0, t=time.time())  # fmt: skip
+    _record(ckpt, spike)
+    cluster.set(job, JobState.COMPLETED, exit_code=0)
+    rec.tick()
+    assert get_run(db, run_id).state is RunState.SUCCEEDED
+    (incident,) = rows(db, Incident, run_id)
+    assert incident.kind == FindingKind.LOSS_SPIKE.value and incident.state is IncidentState.OPEN
+    assert incident.evidence_json["bad_samples"] == [[2384, 2392]]
+    assert "after the run ended" in incident.evidence_json["finding"]

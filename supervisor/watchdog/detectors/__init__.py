@@ -8,8 +8,10 @@ Rules every detector keeps:
   (`silent_hung_nodes`);
 - job-based detectors look only at an UP SLURM view;
 - "sustained" is counted in distinct training steps, never in repeated scrapes of one step;
-- the onset of a numeric fault is bounded by the last sample seen healthy (a NaN seen
-  with none before it: by the process's count of non-finite steps).
+- the onset of a numeric fault is the trainer's own record of the step when it has one
+  (`trainer`): the scrape-based numeric detectors defer to it; without one, the onset is
+  bounded by the last sample seen healthy (a NaN seen with none before it: by the process's
+  count of non-finite steps).
 """
 
 from __future__ import annotations
@@ -35,10 +37,18 @@ from supervisor.watchdog.detectors.state import (
     detect_job_state,
     detect_replica_mismatch,
 )
+from supervisor.watchdog.detectors.trainer import (
+    contained,
+    detect_skip_budget,
+    detect_trainer_anomalies,
+    unremedied_spikes,
+)
 from supervisor.watchdog.snapshot import Finding, Snapshot
 
 ALL_DETECTORS: tuple[Detector, ...] = (
+    detect_skip_budget,
     detect_job_state,
+    detect_trainer_anomalies,
     detect_nonfinite,
     detect_loss_spike,
     detect_grad_explosion,
@@ -59,6 +69,7 @@ def detect_all(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
 __all__ = [
     "ALL_DETECTORS",
     "by_step",
+    "contained",
     "detect_all",
     "detect_checkpoint_problems",
     "detect_grad_explosion",
@@ -67,10 +78,13 @@ __all__ = [
     "detect_loss_spike",
     "detect_nonfinite",
     "detect_replica_mismatch",
+    "detect_skip_budget",
     "detect_startup_hang",
     "detect_straggler",
     "detect_throughput_drop",
+    "detect_trainer_anomalies",
     "median_step_time",
     "spike_threshold",
     "startup_limit",
+    "unremedied_spikes",
 ]

@@ -20,6 +20,7 @@ from supervisor.watchdog.detectors.common import (
     metrics_ok,
     onset_fields,
 )
+from supervisor.watchdog.detectors.trainer import explained_nonfinite, spike_recorded_after
 from supervisor.watchdog.snapshot import Cause, Finding, FindingKind, Snapshot
 
 
@@ -38,6 +39,9 @@ def detect_nonfinite(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     first = next((i for i, s in enumerate(samples) if _is_nonfinite(s)), None)
     if first is None:
         return []
+    counted = max((s.nonfinite_total or 0 for s in samples), default=0)
+    if snap.anomalies and explained_nonfinite(snap) >= max(1, counted):
+        return []  # the trainer's record names every such step (detect_trainer_anomalies)
     bad = samples[first]
     healthy = next((s for s in reversed(samples[:first]) if s.step is not None), None)
     latest = samples[-1]
@@ -183,8 +187,8 @@ def detect_loss_spike(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     points = prior + own
     first_own = len(prior)  # only this attempt's steps can convict: the prior is a baseline
     finding = _sustained_spike(points, rc, first_own) or _hard_spike(points, rc, first_own)
-    if finding is None:
-        return []
+    if finding is None or spike_recorded_after(snap, finding.last_healthy_step):
+        return []  # none, or the trainer's exact record of it decides (detect_trainer_anomalies)
     started = snap.attempt_started_at
     if prior and finding.last_healthy_step == prior[-1].step and started is not None:
         # Bad from this attempt's first sample: the fault came after it started, not at the
@@ -348,6 +352,8 @@ def detect_grad_explosion(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     steps = {p.step for p in episode if p.grad_norm > limit}  # type: ignore[operator]
     if len(steps) < rc.loss_spike_sustain_steps:
         return []
+    if spike_recorded_after(snap, healthy.step if healthy else None):
+        return []  # the gradients of a spike the trainer recorded: its record decides
     latest = episode[-1]
     return [
         Finding(

@@ -1,0 +1,256 @@
+"""Findings from the trainer's record of its bad steps (`contracts.anomalies`): exact onsets,
+exact skips, contained faults left alone, the budget stop, and the trainer's own judgement."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from watchdog_curves import snapshot
+
+from contracts.anomalies import NONFINITE, SPIKE, STOP, Anomaly, merge_ranges, parse, ranges_of
+from contracts.spec import RecoverySpec
+from megatron_runs.anomaly import MIN_TREND_STEPS, LossTrend, SkipBudget, StepOutcome, judge
+from supervisor.metrics_in import MetricSample
+from supervisor.models import AttemptState
+from supervisor.watchdog.detectors import (
+    contained,
+    detect_all,
+    detect_grad_explosion,
+    detect_loss_spike,
+    detect_nonfinite,
+    detect_skip_budget,
+    detect_trainer_anomalies,
+    unremedied_spikes,
+)
+from supervisor.watchdog.policy import decide, skip_ranges
+from supervisor.watchdog.snapshot import (
+    Cause,
+    CheckpointRef,
+    FindingKind,
+    RemedyKind,
+    RunHistory,
+    Snapshot,
+)
+
+NODES = ("n1", "n2")
+
+
+def _samples(upto: int, loss: float = 5.0, nonfinite_total: float = 0.0) -> list[MetricSample]:
+    return [
+        MetricSample(
+            t=1000.0 + s,
+            step=s,
+            loss=loss,
+            loss_window_max=loss,
+            loss_window_min=loss,
+            grad_norm=1.0,
+            grad_norm_window_max=1.0,
+            nonfinite_total=nonfinite_total,
+            samples_consumed=8 * s,
+            last_step_ts=1000.0 + s,
+            tokens_per_second=100.0,
+        )
+        for s in range(1, upto + 1)
+    ]
+
+
+def _snap(records: list[Anomaly], upto: int, **kw: object) -> Snapshot:
+    snap = snapshot(_samples(upto, **kw), nodes=NODES)  # type: ignore[arg-type]
+    return dataclasses.replace(snap, anomalies=tuple(records))
+
+
+def spike(step: int, samples: tuple[tuple[int, int], ...], attempt: int = 1) -> Anomaly:
+    return Anomaly(
+        attempt,
+        step,
+        SPIKE,
+        samples,
+        consumed=(8 * step - 8, 8 * step),
+        loss=50.0,
+        threshold=10.0,
+        t=1000.0 + step,
+    )
+
+
+def nan(
+    step: int,
+    samples: list[tuple[int, int]] | tuple[()] = (),
+    nodes: list[str] | tuple[str, ...] = (),
+    attempt: int = 1,
+) -> Anomaly:
+    return Anomaly(
+        attempt,
+        step,
+        NONFINITE,
+        tuple(samples),
+        tuple(nodes),
+        consumed=(8 * step - 8, 8 * step),
+        update_skipped=True,
+        t=1000.0 + step,
+    )
+
+
+HISTORY = RunHistory(
+    checkpoints=(CheckpointRef(10, 0.0), CheckpointRef(20, 0.0), CheckpointRef(30, 0.0)),
+    attempt_nodes=NODES,
+)
+
+
+def test_a_spike_episode_is_judged_once_over_and_skips_exactly_its_samples(
+    rc: RecoverySpec,
+) -> None:
+    records = [spike(29, ((229, 232),)), spike(30, ((232, 240),)), spike(31, ((240, 243),))]
+    # Step 31 is the newest the metrics show: the episode may go on, so no verdict yet.
+    assert detect_trainer_anomalies(_snap(records, 31), rc) == []
+    (f,) = detect_trainer_anomalies(_snap(records, 33), rc)
+    assert (f.kind, f.cause) == (FindingKind.LOSS_SPIKE, Cause.DATA)
+    assert (f.last_healthy_step, f.first_bad_step) == (28, 29)
+    assert f.bad_samples == ((229, 243),) and f.sample_window == (229, 243)
+    remedy = decide(_snap(records, 33), [f], HISTORY, rc)
+    assert remedy.kind is RemedyKind.ROLLBACK and remedy.to_step == 20
+    assert remedy.skip_ranges == ((229, 243),)  # the window, not [rollback, detection)
+    margin = RecoverySpec(skip_margin_samples=4)
+    assert skip_ranges(f, margin, 8) == ((229, 247),)
+
+
+def test_a_spike_episode_over_because_the_job_ended_is_judged(rc: RecoverySpec) -> None:
+    records = [spike(29, ((224, 232),))]
+    snap = dataclasses.replace(
+        _snap(records, 29),
+        job=dataclasses.replace(_snap([], 29).job, state=AttemptState.FAILED, exit_code=1),
+    )
+    assert [f.first_bad_step for f in detect_trainer_anomalies(snap, rc)] == [29]
+
+
+def test_the_scrape_based_detectors_defer_to_the_trainers_record(rc: RecoverySpec) -> None:
+    high = _samples(31)
+    high[-3:] = [dataclasses.replace(s, loss=80.0, loss_window_max=80.0) for s in high[-3:]]
+    snap = dataclasses.replace(snapshot(high, nodes=NODES), anomalies=(spike(29, ((224, 232),)),))
+    assert detect_loss_spike(dataclasses.replace(snap, anomalies=()), rc) != []
+    assert detect_loss_spike(snap, rc) == []
+    # The spike's gradients too: a grad-norm explosion over the same steps is its business.
+    steep = [dataclasses.replace(s, grad_norm=50.0, grad_norm_window_max=50.0) for s in high[-3:]]
+    exploding = dataclasses.replace(snap, metrics=dataclasses.replace(
+        snap.metrics, samples=(*high[:-3], *steep)))  # fmt: skip
+    assert detect_grad_explosion(dataclasses.replace(exploding, anomalies=()), rc) != []
+    assert detect_grad_explosion(exploding, rc) == []
+    # Non-finite steps the record names are its business too; unnamed ones are not.
+    counted = _snap([nan(12, [(88, 96)])], 14, nonfinite_total=1.0)
+    assert detect_nonfinite(counted, rc) == []
+    assert detect_nonfinite(dataclasses.replace(counted, anomalies=()), rc) != []
+
+
+def test_nan_batches_under_the_budget_are_contained_and_taken_no_action_on(
+    rc: RecoverySpec,
+) -> None:
+    # A NaN sample makes its data rank's node's gradients NaN: that blames the data, not it.
+    records = [nan(33, [(256, 264)], ["n1"]), nan(34, [(264, 268)], ["n1"])]
+    snap = _snap(records, 36, nonfinite_total=2.0)
+    assert detect_all(snap, rc) == []
+    (episode,) = contained(snap, rc)
+    assert (episode.first, episode.last, episode.samples) == (33, 34, ((256, 268),))
+
+
+def test_a_node_that_makes_nan_again_is_excluded_and_a_single_strike_contained(
+    rc: RecoverySpec,
+) -> None:
+    once = _snap([nan(40, nodes=["n2"])], 42, nonfinite_total=1.0)
+    assert detect_all(once, rc) == [] and len(contained(once, rc)) == 1
+    twice = _snap([nan(40, nodes=["n2"]), nan(45, nodes=["n2"])], 46, nonfinite_total=2.0)
+    (f,) = detect_all(twice, rc)
+    assert (f.kind, f.cause, f.nodes, f.first_bad_step) == (
+        FindingKind.NONFINITE, Cause.NODE, ("n2",), 40,
+    )  # fmt: skip
+    assert contained(twice, rc) == []
+    assert decide(twice, [f], HISTORY, rc).exclude_nodes == ("n2",)
+    # Every node of the job making NaN singles none out: contained, not an exclusion.
+    both = _snap([nan(40, nodes=NODES), nan(41, nodes=NODES)], 42, nonfinite_total=2.0)
+    assert detect_all(both, rc) == []
+
+
+@pytest.mark.parametrize(
+    ("records", "cause", "nodes", "skips"),
+    [
+        ([nan(6, [(40, 48)]), nan(7, [(48, 56)]), nan(8, [(56, 64)])], Cause.DATA, (), ((40, 64),)),
+        ([nan(6, nodes=["n2"]), nan(7, nodes=["n2"])], Cause.NODE, ("n2",), ()),
+        ([nan(6), nan(7)], Cause.DATA, (), ((40, 56),)),  # nothing singled out: their batches
+    ],
+    ids=["data", "node", "unexplained"],
+)
+def test_the_trainers_budget_stop_names_its_cause(
+    rc: RecoverySpec,
+    records: list[Anomaly],
+    cause: Cause,
+    nodes: tuple[str, ...],
+    skips: tuple[tuple[int, int], ...],
+) -> None:
+    last = records[-1]
+    stop = dataclasses.replace(last, kind=STOP, skipped_updates=len(records), window_steps=100)
+    snap = _snap([*records, stop], last.step)
+    snap = dataclasses.replace(
+        snap, job=dataclasses.replace(snap.job, state=AttemptState.FAILED, exit_code=79)
+    )
+    findings = detect_all(snap, rc)
+    f = findings[0]  # first: before the job's failure
+    assert (f.kind, f.cause, f.nodes, f.bad_samples) == (FindingKind.NONFINITE, cause, nodes, skips)
+    assert detect_skip_budget(snap, rc) == [f] and contained(snap, rc) == []
+    remedy = decide(snap, findings, HISTORY, rc)
+    assert remedy.kind is (RemedyKind.EXCLUDE_NODE if nodes else RemedyKind.ROLLBACK)
+    if not nodes:
+        assert remedy.skip_ranges == skips and remedy.to_step == 0
+
+
+def test_a_tolerated_spike_is_contained_once_over_and_a_longer_one_is_not(
+    rc: RecoverySpec,
+) -> None:
+    lenient = RecoverySpec(tolerate_spike_steps=1)
+    one = _snap([spike(29, ((224, 232),))], 31)
+    assert detect_trainer_anomalies(one, lenient) == []
+    assert [e.first for e in contained(one, lenient)] == [29]
+    assert unremedied_spikes(one, lenient) == [] and len(unremedied_spikes(one, rc)) == 1
+    two = _snap([spike(29, ((224, 232),)), spike(30, ((232, 240),))], 31)
+    assert len(detect_trainer_anomalies(two, lenient)) == 1 and contained(two, lenient) == []
+
+
+# -- the trainer's own judgement (megatron_runs.anomaly) -------------------------------------
+
+
+def _outcome(
+    step: int, losses: list[float], skipped: bool = False, nodes: tuple[str, ...] = ()
+) -> StepOutcome:
+    idx = list(range(8 * step - 8, 8 * step))
+    finite = [x for x in losses if math.isfinite(x)]
+    loss = sum(losses) / len(losses) if len(finite) == len(losses) else math.nan
+    return StepOutcome(step, loss, idx, losses, skipped, tuple(nodes), 8 * step)
+
+
+def test_the_trainer_names_nonfinite_and_spiking_samples_and_learns_only_from_good_steps(
+    rc: RecoverySpec,
+) -> None:
+    trend = LossTrend(rc.loss_spike_window)
+    for step in range(1, MIN_TREND_STEPS):  # too few good steps yet: even a huge loss passes
+        assert judge(_outcome(step, [7.0 - 0.01 * step] * 8), trend, rc, 1, 0.0) is None
+    huge = _outcome(MIN_TREND_STEPS, [7.0] * 7 + [500.0])
+    assert judge(huge, trend, rc, 1, 0.0) is None  # it was the 8th good step: trend full now
+    bad = judge(_outcome(10, [7.0] * 5 + [160.0] * 3), trend, rc, 1, 0.0)
+    assert bad is not None and bad.kind == SPIKE and bad.samples == ((77, 80),)
+    assert len(trend.losses) == MIN_TREND_STEPS  # the spike did not join the trend
+    worse = judge(_outcome(11, [7.0] * 6 + [math.nan, 7.0], skipped=True), trend, rc, 1, 0.0)
+    assert worse is not None and worse.kind == NONFINITE and worse.samples == ((86, 87),)
+    node = judge(_outcome(12, [7.0] * 8, skipped=True, nodes=("n2",)), trend, rc, 1, 0.0)
+    assert node is not None and node.samples == () and node.nodes == ("n2",)
+
+
+def test_the_skip_budget_counts_within_its_window() -> None:
+    budget = SkipBudget(budget=2, window=10)
+    assert [budget.add(s) for s in (1, 5, 11, 12)] == [False, False, False, True]
+
+
+def test_records_round_trip_and_a_torn_last_line_waits() -> None:
+    rec = nan(3, [(16, 24)], ["n1"])
+    text = rec.to_json() + "\n" + spike(4, ((24, 26),)).to_json()  # the second line is torn
+    assert parse(text) == [rec]
+    assert merge_ranges([(5, 8), (0, 2), (2, 3), (9, 9)]) == ((0, 3), (5, 8))
+    assert ranges_of([4, 1, 2, 3, 9]) == ((1, 5), (9, 10))
