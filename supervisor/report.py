@@ -124,6 +124,11 @@ class Report:
         return cls(**{**data, **nested})
 
 
+#: Loss points observed while training, with the time they were seen: the metrics' samples,
+#: or the trainer's own `step` log lines when no Prometheus server keeps the samples.
+TIMED_SOURCES = frozenset({"metrics", "log"})
+
+
 def _json_default(value: object) -> object:
     raise TypeError(f"not JSON serialisable: {value!r}")
 
@@ -212,7 +217,7 @@ def progress_times(loss: Iterable[LossPoint]) -> dict[int, tuple[float, float]]:
     highest step (where it last advanced: a hung attempt's later scrapes repeat that step)."""
     seen: dict[int, tuple[float, float, int]] = {}
     for p in sorted(loss, key=lambda p: p.t or 0.0):
-        if p.attempt is None or p.t is None or p.source != "metrics":
+        if p.attempt is None or p.t is None or p.source not in TIMED_SOURCES:
             continue
         first, advanced, top = seen.get(p.attempt, (p.t, p.t, p.step))
         if p.step > top:
@@ -258,7 +263,7 @@ def mean_step_seconds(loss: Sequence[LossPoint]) -> float | None:
     seconds, steps = 0.0, 0
     by_attempt: dict[int | None, list[LossPoint]] = {}
     for p in loss:
-        if p.t is not None and p.source == "metrics":
+        if p.t is not None and p.source in TIMED_SOURCES:
             by_attempt.setdefault(p.attempt, []).append(p)
     for points in by_attempt.values():
         points.sort(key=lambda p: p.t or 0.0)

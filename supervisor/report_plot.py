@@ -12,7 +12,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from supervisor.metrics_in import LossPoint
-from supervisor.report import Report
+from supervisor.report import TIMED_SOURCES, Report
 
 _WINDOW_STYLE = {
     "rollback": {"color": "tab:orange", "alpha": 0.18},
@@ -31,7 +31,7 @@ def render_png(report: Report, path: Path, *, dpi: int = 110) -> Path:
     """Write the plot to `path`; one line per attempt so a replayed stretch shows as such."""
     fig = Figure(figsize=(10, 5), dpi=dpi)
     ax = fig.add_subplot()
-    metric_points = [p for p in report.loss if p.source == "metrics"]
+    metric_points = [p for p in report.loss if p.source in TIMED_SOURCES]
     for attempt, points in sorted(_by_attempt(metric_points).items(), key=lambda kv: kv[0] or 0):
         points.sort(key=lambda p: (p.t or 0.0, p.step))
         label = f"attempt {attempt}" if attempt is not None else "loss"

@@ -8,11 +8,16 @@ was given and gets only what was written since, whole lines only.
 
 from __future__ import annotations
 
+import json
+import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from contracts.paths import attempt_log_dir
+from supervisor.metrics_in import LossPoint
 from supervisor.slurm import last_lines, read_from
 
 #: The most one read returns, so a follower of a chatty job gets it in pieces.
@@ -61,3 +66,40 @@ def read_log(files: dict[str, Path], node: str | None, tail: int, offset: int | 
     else:
         text, end = read_from(path, offset, MAX_CHUNK_BYTES)
     return LogChunk(node=chosen, nodes=nodes, text=text, offset=end)
+
+
+def loss_points(home: Path, run_id: str, attempts: Sequence[Mapping[str, Any]]) -> list[LossPoint]:
+    """The loss curve from the trainer's own `step` lines (every `log_interval` steps and every
+    skipped update), each with the time it was logged: the report's curve when no Prometheus
+    server keeps the samples. Rank 0 logs on the attempt's first node."""
+    out: list[LossPoint] = []
+    for a in attempts:
+        if not a.get("job_id"):
+            continue
+        number = int(a["number"])
+        files = task_files(home, run_id, number, str(a["job_id"]), list(a.get("nodes") or []))
+        path = next(iter(files.values()))
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        out.extend(_step_points(text, number))
+    return out
+
+
+def _step_points(text: str, attempt: int) -> list[LossPoint]:
+    points = []
+    for line in text.splitlines():
+        if '"event": "step"' not in line:
+            continue
+        try:
+            row = json.loads(line)
+            point = LossPoint(
+                step=int(row["step"]), loss=float(row["loss"]), attempt=attempt,
+                t=float(row["ts"]), source="log",
+            )  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn or foreign line
+        if math.isfinite(point.loss):
+            points.append(point)
+    return points

@@ -218,7 +218,7 @@ def demo(
             for attempt_row in store.get_attempts(s, run_id):
                 if attempt_row.job_id and attempt_row.ended_at is None:
                     cluster.cancel(attempt_row.job_id)
-            report = build_report(report_data(s, run_id, None, time.time()))
+            report = build_report(report_data(s, run_id, None, time.time(), home))
     reconciler.notifier.close(timeout_s=1)
     typer.echo("")
     typer.echo(render_text(report))

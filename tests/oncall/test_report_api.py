@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -141,6 +142,37 @@ def test_report_route_uses_the_loss_history_when_configured(
     assert asked == [run_id]
     assert sum(p["source"] == "metrics" for p in body["loss"]) == 9
     assert body["mean_step_s"] == pytest.approx(1.0)
+
+
+def test_without_prometheus_the_curve_and_ettr_come_from_the_trainers_step_lines(
+    app: FastAPI, read_token: str, run_id: str, tmp_path: Path
+) -> None:
+    """The embedded default has no Prometheus server: the report reads the `step` lines rank 0
+    logged on each attempt's first node (a torn line and a NaN step are left out)."""
+    t0 = 1_800_000_000.0
+    for attempt, job, steps in ((1, "101", range(1, 42)), (2, "102", range(31, 121))):
+        log = tmp_path / "home" / "runs" / run_id / "logs" / f"a{attempt}" / job
+        log.mkdir(parents=True)
+        lines = [
+            json.dumps(
+                {
+                    "ts": t0 + 2 * s + 100 * (attempt - 1),
+                    "event": "step",
+                    "step": s,
+                    "loss": "NaN" if s == 41 else 9.0 - 0.01 * s,
+                }
+            )
+            for s in steps
+        ]
+        (log / f"{job}_0_log.out").write_text("\n".join([*lines, '{"ts": 1, "event": "st']))
+    with TestClient(app) as client:
+        body = client.get(
+            f"/v1/runs/{run_id}/report", headers={"Authorization": f"Bearer {read_token}"}
+        ).json()
+    logged = [p for p in body["loss"] if p["source"] == "log"]
+    assert len(logged) == 40 + 89 and {p["attempt"] for p in logged} == {1, 2}
+    assert body["mean_step_s"] == pytest.approx(2.0)
+    assert body["ettr"] is not None
 
 
 def test_report_route_needs_a_token_and_a_run(app: FastAPI, read_token: str) -> None:

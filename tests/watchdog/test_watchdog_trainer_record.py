@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 import pytest
-from watchdog_curves import snapshot
+from watchdog_curves import Faults, simulate, snapshot
 
 from contracts.anomalies import NONFINITE, SPIKE, STOP, Anomaly, merge_ranges, parse, ranges_of
 from contracts.spec import RecoverySpec
@@ -254,3 +254,35 @@ def test_records_round_trip_and_a_torn_last_line_waits() -> None:
     assert parse(text) == [rec]
     assert merge_ranges([(5, 8), (0, 2), (2, 3), (9, 9)]) == ((0, 3), (5, 8))
     assert ranges_of([4, 1, 2, 3, 9]) == ((1, 5), (9, 10))
+
+
+def _judged(losses: list[float], rc: RecoverySpec, spread: float = 0.3) -> list[Anomaly]:
+    """Every step of a run judged as the trainer does, its 8 samples spread ±`spread` about
+    the step's loss (their mean is the step's loss)."""
+    trend, out = LossTrend(rc.loss_spike_window), []
+    offsets = [spread * (2 * i / 7 - 1) for i in range(8)]
+    for step, loss in enumerate(losses, start=1):
+        sample_losses = [loss * (1 + o) for o in offsets]
+        bad = judge(_outcome_of(step, sample_losses), trend, rc, 1, 0.0)
+        if bad is not None:
+            out.append(bad)
+    return out
+
+
+def _outcome_of(step: int, sample_losses: list[float]) -> StepOutcome:
+    idx = list(range(8 * step - 8, 8 * step))
+    return StepOutcome(step, sum(sample_losses) / 8, idx, sample_losses, False, (), 8 * step)
+
+
+def test_the_trainer_flags_no_step_of_noisy_healthy_runs_and_every_step_of_a_spike(
+    rc: RecoverySpec,
+) -> None:
+    """60 seeded healthy curves (trend + heavy-tailed noise), all 400 steps from the first:
+    nothing flagged. The same curves with a spike (× 6 for 3 steps): exactly those steps."""
+    for seed in range(60):
+        healthy = [s.loss for s in simulate(seed, steps=400, steps_per_sample=1)]
+        assert _judged(healthy, rc) == [], seed  # type: ignore[arg-type]
+        spiked = simulate(seed, steps=400, steps_per_sample=1, faults=Faults(spike_steps=(20, 23)))
+        flagged = _judged([s.loss for s in spiked], rc)  # type: ignore[misc]
+        assert [a.step for a in flagged] == [20, 21, 22], seed
+        assert flagged[0].samples == ((152, 160),)  # all 8 of its samples are above

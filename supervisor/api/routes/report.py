@@ -3,16 +3,19 @@
 Reads the run's rows, turns them into plain dicts and lets the pure `supervisor.report` do the
 arithmetic. The loss curve comes from `app.state.loss_history` when the app has one (a
 callable `run_id -> list[LossPoint]`, e.g. a Prometheus range query joined by
-`supervisor.metrics_in.promql.loss_from_matrix`), else from the losses the checkpoints recorded.
+`supervisor.metrics_in.promql.loss_from_matrix`), else from the trainer's own step lines in
+the run's logs (`supervisor.run_logs.loss_points`); the checkpoints' losses are added to both.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Request
+from fastapi import Path as PathParam
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -28,10 +31,11 @@ from supervisor.report import (
     build_report,
     loss_from_checkpoints,
 )
+from supervisor.run_logs import loss_points
 
 router = APIRouter(prefix="/v1/runs", tags=["report"], responses=ERRORS)
 
-RunId = Annotated[str, Path(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])]
+RunId = Annotated[str, PathParam(pattern=RUN_ID_PATTERN, examples=["r-3f9a0c12d4e5"])]
 LossHistory = Callable[[str], Sequence[LossPoint]]
 
 
@@ -53,9 +57,14 @@ def _run_row(run: Run) -> dict[str, Any]:
 
 
 def report_data(
-    session: Session, run_id: str, history: LossHistory | None, now: float
+    session: Session,
+    run_id: str,
+    history: LossHistory | None,
+    now: float,
+    home: Path | None = None,
 ) -> ReportData:
-    """The rows of one run as the plain data `build_report` takes."""
+    """The rows of one run as the plain data `build_report` takes. The loss curve: `history`
+    (Prometheus) when there is one, else the trainer's step lines under `home`."""
     run = store.get_run(session, run_id)
     attempts = [
         {
@@ -108,7 +117,12 @@ def report_data(
             select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step)
         )
     ]
-    loss = list(history(run_id)) if history is not None else []
+    if history is not None:
+        loss = list(history(run_id))
+    elif home is not None:
+        loss = loss_points(home, run_id, attempts)
+    else:
+        loss = []
     loss += loss_from_checkpoints(checkpoints)
     training = (run.spec_json or {}).get("training", {})
     return ReportData(
@@ -129,6 +143,8 @@ def run_report(
     session: SessionDep,
     _: ReadToken,
     history: Annotated[LossHistory | None, Depends(get_loss_history)],
+    request: Request,
 ) -> dict[str, Any]:
     """What happened to the run: timeline, incidents, downtime, steps lost, ETTR, loss curve."""
-    return build_report(report_data(session, run_id, history, time.time())).to_dict()
+    home = request.app.state.settings.home
+    return build_report(report_data(session, run_id, history, time.time(), home)).to_dict()
