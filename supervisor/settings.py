@@ -2,7 +2,10 @@
 
 Nothing reads the environment at import time: `Settings.from_env()` is called by the CLI, and
 tests build `Settings(...)` directly, so two apps with different databases can live in one
-process.
+process. `from_env` reads, through pydantic-settings, in this order of precedence: the
+`NIGHTWATCH_*` environment variables, a `.env` file (`NIGHTWATCH_ENV_FILE`, default `./.env`),
+then one file per setting in a secrets folder (`NIGHTWATCH_SECRETS_DIR`, e.g. `/run/secrets`,
+files named like the variables: `nightwatch_database_url`). docs/api.md has the table.
 """
 
 from __future__ import annotations
@@ -10,9 +13,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+from pydantic_settings.sources.utils import parse_env_vars
 
 Executor = Literal["auto", "slurm", "local"]
 SqliteSynchronous = Literal["full", "normal"]
@@ -53,14 +64,14 @@ class Settings(BaseModel):
         default=None,
         description="Interpreter of the jobs on the compute nodes; None: the supervisor's own.",
     )
-    job_setup: tuple[str, ...] = Field(
+    job_setup: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
         description="Shell lines each SLURM job runs before its task (module load, activate).",
     )
-    checkpoint_roots: tuple[Path, ...] = Field(
+    checkpoint_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
         default=(), description="Folders a spec's checkpoint.dir must lie inside; () = home."
     )
-    data_roots: tuple[Path, ...] = Field(
+    data_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
         default=(), description="Folders data.prefix and data.tokenizer must lie inside; () = home."
     )
     allow_fault_injection: bool = Field(
@@ -71,6 +82,18 @@ class Settings(BaseModel):
         default=False,
         description="Let `submit` tokens set recovery.drain_excluded_nodes (else admin only).",
     )
+
+    @field_validator("job_setup", mode="before")
+    @classmethod
+    def _lines(cls, value: Any) -> Any:
+        """From a variable: one shell line per line."""
+        return tuple(value.splitlines()) if isinstance(value, str) else value
+
+    @field_validator("checkpoint_roots", "data_roots", mode="before")
+    @classmethod
+    def _path_list(cls, value: Any) -> Any:
+        """From a variable: os.pathsep-separated, like PATH."""
+        return tuple(p for p in value.split(os.pathsep) if p) if isinstance(value, str) else value
 
     @field_validator("checkpoint_roots", "data_roots")
     @classmethod
@@ -96,35 +119,55 @@ class Settings(BaseModel):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        """Build settings from NIGHTWATCH_* variables; unset ones keep their defaults."""
+        """Settings from NIGHTWATCH_* variables (`env`, default the process's), the `.env`
+        file and the secrets folder; unset or empty ones keep their defaults."""
         env = os.environ if env is None else env
-        names = {
-            "home": "NIGHTWATCH_HOME",
-            "database_url": "NIGHTWATCH_DATABASE_URL",
-            "prometheus_url": "NIGHTWATCH_PROMETHEUS_URL",
-            "public_url": "NIGHTWATCH_PUBLIC_URL",
-            "webhook_url": "NIGHTWATCH_WEBHOOK_URL",
-            "tick_seconds": "NIGHTWATCH_TICK_SECONDS",
-            "executor": "NIGHTWATCH_EXECUTOR",
-            "host": "NIGHTWATCH_HOST",
-            "port": "NIGHTWATCH_PORT",
-            "token_cache_seconds": "NIGHTWATCH_TOKEN_CACHE_SECONDS",
-            "workers": "NIGHTWATCH_WORKERS",
-            "job_python": "NIGHTWATCH_JOB_PYTHON",
-            "max_body_bytes": "NIGHTWATCH_MAX_BODY_BYTES",
-            "sqlite_synchronous": "NIGHTWATCH_SQLITE_SYNCHRONOUS",
-            "allow_fault_injection": "NIGHTWATCH_ALLOW_FAULT_INJECTION",
-            "allow_node_drain": "NIGHTWATCH_ALLOW_NODE_DRAIN",
-        }
-        values: dict[str, object] = {
-            field: env[var] for field, var in names.items() if env.get(var)
-        }
-        if env.get("NIGHTWATCH_JOB_SETUP"):
-            # One shell line per line of the variable.
-            values["job_setup"] = tuple(env["NIGHTWATCH_JOB_SETUP"].splitlines())
-        roots = {"checkpoint_roots": "NIGHTWATCH_CHECKPOINT_ROOTS",
-                 "data_roots": "NIGHTWATCH_DATA_ROOTS"}  # fmt: skip
-        for field, var in roots.items():
-            if env.get(var):  # os.pathsep-separated, like PATH
-                values[field] = tuple(p for p in env[var].split(os.pathsep) if p)
-        return cls.model_validate(values)
+        source = _Sources.reading(env)
+        return cls.model_validate(source().model_dump(exclude_unset=True))
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping (tests pass their own)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], mapping: Mapping[str, str]) -> None:
+        self.mapping = mapping
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(
+            self.mapping, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
+        )
+
+
+class _Sources(BaseSettings, Settings):
+    """`Settings` as pydantic-settings reads it (env > .env > secrets folder)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="NIGHTWATCH_", env_ignore_empty=True, extra="ignore", frozen=True
+    )
+
+    @classmethod
+    def reading(cls, env: Mapping[str, str]) -> type[_Sources]:
+        """A subclass whose sources are `env`, its `.env` file and its secrets folder."""
+        secrets = env.get("NIGHTWATCH_SECRETS_DIR") or None
+        config = SettingsConfigDict(
+            env_file=env.get("NIGHTWATCH_ENV_FILE") or ".env",
+            secrets_dir=secrets if secrets and Path(secrets).is_dir() else None,
+        )
+
+        class Reading(cls):  # type: ignore[valid-type,misc]
+            model_config = config
+
+            @classmethod
+            def settings_customise_sources(
+                cls,
+                settings_cls: type[BaseSettings],
+                init_settings: PydanticBaseSettingsSource,
+                env_settings: PydanticBaseSettingsSource,
+                dotenv_settings: PydanticBaseSettingsSource,
+                file_secret_settings: PydanticBaseSettingsSource,
+            ) -> tuple[PydanticBaseSettingsSource, ...]:
+                mapping = _MappingEnvSource(settings_cls, env)
+                return init_settings, mapping, dotenv_settings, file_secret_settings
+
+        return Reading

@@ -31,6 +31,33 @@ def test_settings_read_nightwatch_variables_only_when_asked() -> None:
         Settings.from_env({"NIGHTWATCH_EXECUTOR": "kubernetes"})
 
 
+def test_settings_come_from_the_environment_then_a_dotenv_file_then_a_secrets_folder(
+    tmp_path: Path,
+) -> None:
+    dotenv = tmp_path / "nightwatch.env"
+    dotenv.write_text("NIGHTWATCH_TICK_SECONDS=3\nNIGHTWATCH_WORKERS=4\nOTHER_TOOL=1\n")
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "nightwatch_database_url").write_text("postgresql+psycopg://u:pw@h/db")
+    (secrets / "nightwatch_workers").write_text("8")
+    env = {
+        "NIGHTWATCH_ENV_FILE": str(dotenv),
+        "NIGHTWATCH_SECRETS_DIR": str(secrets),
+        "NIGHTWATCH_TICK_SECONDS": "2",
+        "NIGHTWATCH_JOB_SETUP": "module load cuda\nsource /env/bin/activate",
+        "NIGHTWATCH_DATA_ROOTS": "/data/a:/data/b",
+    }
+    settings = Settings.from_env(env)
+    assert settings.tick_seconds == 2.0  # the environment wins over the .env file
+    assert settings.workers == 4  # the .env file wins over the secrets folder
+    assert settings.database_url == "postgresql+psycopg://u:pw@h/db"  # a secret file
+    assert settings.job_setup == ("module load cuda", "source /env/bin/activate")
+    assert settings.data_roots == (Path("/data/a"), Path("/data/b"))
+    assert Settings(home=tmp_path).tick_seconds == 5.0  # built directly: no environment read
+    with pytest.raises(ValidationError, match="absolute"):
+        Settings.from_env({"NIGHTWATCH_CHECKPOINT_ROOTS": "relative/dir"})
+
+
 def test_state_machine_terminal_states_are_final_and_all_states_reachable() -> None:
     assert all(not RUN_TRANSITIONS[s] for s in TERMINAL_RUN_STATES)
     reachable = {RunState.PENDING}
@@ -51,3 +78,10 @@ def test_state_machine_terminal_states_are_final_and_all_states_reachable() -> N
 def test_scopes_are_ordered() -> None:
     assert allows(["admin"], Scope.SUBMIT) and allows(["submit"], Scope.READ)
     assert not allows(["read"], Scope.SUBMIT) and not allows(["nonsense"], Scope.READ)
+
+
+def test_every_setting_is_in_the_configuration_table() -> None:
+    table = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    missing = [f"NIGHTWATCH_{name.upper()}" for name in Settings.model_fields
+               if f"`NIGHTWATCH_{name.upper()}`" not in table]  # fmt: skip
+    assert missing == []
