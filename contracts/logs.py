@@ -31,6 +31,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+#: uvicorn's own loggers (start-up, errors, access) in the same JSON lines on stderr: pass as
+#: `log_config=` to `uvicorn.run` / `uvicorn.Config`.
+UVICORN_LOG_CONFIG: dict = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": f"{__name__}.JsonFormatter"}},
+    "handlers": {
+        "stderr": {
+            "class": "logging.StreamHandler",
+            "formatter": "json",
+            "stream": "ext://sys.stderr",
+        }
+    },
+    "loggers": {
+        name: {"handlers": ["stderr"], "level": "INFO", "propagate": False}
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+    },
+}
+
+
 def configure_logging(level: int = logging.INFO) -> None:
     """Send the nightwatch loggers to stderr as JSON lines (idempotent)."""
     root = logging.getLogger("nightwatch")

@@ -39,6 +39,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from contracts.logs import UVICORN_LOG_CONFIG
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -137,6 +139,7 @@ def _serve_worker(host: str, port: int, app: str, parent: int) -> None:
         host=host,
         port=port,
         access_log=False,
+        log_config=UVICORN_LOG_CONFIG,
     )
     server = uvicorn.Server(config)
     try:

@@ -48,7 +48,7 @@ def serve(
     """Apply migrations and run the API server (and the reconciler)."""
     import uvicorn
 
-    from contracts.logs import configure_logging
+    from contracts.logs import UVICORN_LOG_CONFIG, configure_logging
 
     configure_logging()
     db = _upgraded_database()
@@ -65,7 +65,7 @@ def serve(
     loop = _start_reconciler(settings, db, app_.state.registry, app_.state.metrics, reconciler)
     _announce(settings, db, host, port, workers, loop)
     try:
-        uvicorn.run(app_, host=host, port=port, access_log=False)
+        uvicorn.run(app_, host=host, port=port, access_log=False, log_config=UVICORN_LOG_CONFIG)
     finally:
         if loop is not None:
             loop.stop()

@@ -287,7 +287,11 @@ def test_serve_migrates_and_answers(tmp_path: Path) -> None:
         _, stderr = proc.communicate(timeout=20)
     assert (tmp_path / "nightwatch.db").exists()
     access = [json.loads(line) for line in stderr.decode().splitlines() if line.startswith("{")]
-    assert {"msg": "request", "path": "/v1/runs", "status": 401}.items() <= access[-1].items()
+    (request,) = [a for a in access if a["msg"] == "request" and a.get("path") == "/v1/runs"]
+    assert request["status"] == 401
+    # uvicorn's own lines are JSON lines too, like the access log.
+    (started,) = [a for a in access if a["msg"].startswith("Uvicorn running on")]
+    assert started["logger"] == "uvicorn.error" and started["level"] == "info"
     (chosen,) = [line for line in stderr.decode().splitlines() if "nightwatch serving" in line]
     assert f"http://127.0.0.1:{port} (1 API process(es))" in chosen
     assert f"database sqlite:///{tmp_path / 'nightwatch.db'}" in chosen
