@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -137,6 +137,18 @@ def recorded_incident_keys(session: Session, run_id: str, kinds: Sequence[str]) 
         select(Incident.evidence_json).where(Incident.run_id == run_id, Incident.kind.in_(kinds))
     )
     return {str(ev["record"]) for ev in rows if ev and ev.get("record")}
+
+
+def incident_counts(session: Session, run_ids: Sequence[str]) -> dict[tuple[str, str], int]:
+    """(run id, kind) → incidents, for the given runs that had any (one grouped query)."""
+    if not run_ids:
+        return {}
+    rows = session.execute(
+        select(Incident.run_id, Incident.kind, func.count())
+        .where(Incident.run_id.in_(run_ids))
+        .group_by(Incident.run_id, Incident.kind)
+    )
+    return {(run_id, kind): int(n) for run_id, kind, n in rows}
 
 
 def update_incident(session: Session, incident_id: int, **fields: Any) -> None:

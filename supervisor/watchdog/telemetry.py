@@ -80,6 +80,14 @@ class WatchdogMetrics:
             ["run_id"],
             registry=registry,
         )
+        self._run_incidents: set[tuple[str, str]] = set()
+        self.run_incidents = Gauge(
+            f"{NS}_run_incidents",
+            "Incidents of an active or escalated run so far, by kind (contained ones included): "
+            "the dashboards' incidents filtered by run.",
+            ["run_id", "kind"],
+            registry=registry,
+        )
         self.run_needs_attention = Gauge(
             f"{NS}_run_needs_attention",
             "1 while the run waits for a human (needs_attention), 0 while it is active.",
@@ -103,6 +111,15 @@ class WatchdogMetrics:
         for run_id, escalated in watched.items():
             self.run_needs_attention.labels(run_id=run_id).set(1 if escalated else 0)
         self._needs_attention = {(r,) for r in watched}
+
+    def set_run_incidents(self, counts: dict[tuple[str, str], int]) -> None:
+        """(run id, kind) → incidents so far, for the watched runs that had any; a run that
+        ended loses its series."""
+        for run_id, kind in self._run_incidents - set(counts):
+            self.run_incidents.remove(run_id, kind)
+        for (run_id, kind), n in counts.items():
+            self.run_incidents.labels(run_id=run_id, kind=kind).set(n)
+        self._run_incidents = set(counts)
 
     def forget_run(self, run_id: str) -> None:
         """Drop a finished run's per-run series so /metrics does not grow without bound."""
@@ -158,6 +175,7 @@ class Telemetry:
             m.set_needs_attention(
                 {run_id: state is RunState.NEEDS_ATTENTION for run_id, state in watched.items()}
             )
+            m.set_run_incidents(store.incident_counts(s, list(watched)))
             if self.supervisor_metrics is not None:
                 self.supervisor_metrics.set_run_counts(store.count_runs_by_state(s))
 

@@ -123,7 +123,9 @@ def test_fleet_and_run_link_to_each_other_and_runs_open_their_dashboard() -> Non
         "/d/nightwatch-run/nightwatch-run"
     ]
     by_run = next(
-        p for p in _panels(boards["fleet.json"]) if p["title"] == "ETTR and budget by run"
+        p
+        for p in _panels(boards["fleet.json"])
+        if p["title"] == "ETTR, budget and incidents by run"
     )
     (link,) = by_run["fieldConfig"]["defaults"]["links"]
     assert "var-run_id=${__data.fields.run_id}" in link["url"]

@@ -672,6 +672,13 @@ def test_a_contained_nan_batch_is_recorded_once_and_nothing_is_done(
     assert ev["bad_samples"] == [[256, 264]] and ev["steps"] == [33] and ev["cause"] == "data"
     assert cluster.cancelled == [] and len(cluster.submitted) == 1
     assert get_run(db, run_id).state is RunState.RUNNING
+    # The dashboards' per-run incidents: while the run is watched, then gone.
+    series = f'nightwatch_supervisor_run_incidents{{kind="contained",run_id="{run_id}"}} 1.0'
+    assert series in generate_latest(rec.registry).decode()
+    write_checkpoint(ckpt, 300, 2400)
+    cluster.set(_job, JobState.COMPLETED, exit_code=0)
+    rec.tick()
+    assert "nightwatch_supervisor_run_incidents{" not in generate_latest(rec.registry).decode()
 
 
 def test_the_trainers_budget_stop_rolls_back_past_exactly_its_samples(
