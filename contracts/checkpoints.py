@@ -285,3 +285,46 @@ def retain(
         shutil.rmtree(stale, ignore_errors=True)
         removed.append(stale)
     return removed
+
+
+#: The newest save's timing, kept by the trainer beside the checkpoints (`.health/`, which
+#: retention never touches): the supervisor sizes the next attempt's stop-signal lead by it.
+SAVE_TIMING_PATH = Path(".health") / "save_timing.json"
+
+
+@dataclass(frozen=True)
+class SaveTiming:
+    """How long this run's newest published save took, and its steps."""
+
+    step: int
+    #: From the save's start until it was published (what a stop signal must wait for).
+    seconds: float
+    #: How long the training loop stood still for it.
+    stall_seconds: float
+    #: The wall time of the step before it (a signal lands mid-step: that step ends first).
+    step_seconds: float
+    async_save: bool = False
+
+
+def write_save_timing(root: Path | str, timing: SaveTiming) -> None:
+    """Replace the timing file atomically (a reader sees the old or the new one)."""
+    path = Path(root) / SAVE_TIMING_PATH
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(timing.__dict__))
+    os.replace(tmp, path)
+
+
+def read_save_timing(root: Path | str) -> SaveTiming | None:
+    """The newest save's timing (None: no save measured yet, or an unreadable file)."""
+    try:
+        d = json.loads((Path(root) / SAVE_TIMING_PATH).read_text())
+        return SaveTiming(
+            step=int(d["step"]),
+            seconds=float(d["seconds"]),
+            stall_seconds=float(d["stall_seconds"]),
+            step_seconds=float(d["step_seconds"]),
+            async_save=bool(d.get("async_save", False)),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -130,8 +130,9 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         if done.step % spec.checkpoint.interval_steps == 0 or done.step >= target or stop_requested:
             finish_param_gather(tr.model)
             checkpoints.save(
-                tr.model, tr.optimizer, tr.step, tr.cursor, done.loss, tuple(trend.losses)
-            )
+                tr.model, tr.optimizer, tr.step, tr.cursor, done.loss, tuple(trend.losses),
+                done.wall,
+            )  # fmt: skip
         if stop_requested and done.step < target:  # a signal at the last step changes nothing
             tr.log("stopping_on_signal", step=done.step, signal=done.signum)
             exit_code = exitcodes.REQUEUE

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from contracts.checkpoints import SaveTiming, write_save_timing
 from contracts.spec import CheckpointSpec
 from megatron_runs import dist_ckpt
 from megatron_runs.faults import Faults
@@ -52,6 +53,7 @@ class Checkpointer:
         self.writer = dist_ckpt.Writer()
         self.pending: dist_ckpt.PendingSave | None = None
         self.started = 0.0  # when the save in flight began
+        self.step_seconds = 0.0  # the wall time of the step before the save in flight
         self.stall = 0.0  # how long the loop has waited for it so far
 
     def save(
@@ -62,9 +64,12 @@ class Checkpointer:
         cursor: int,
         loss: float,
         loss_trend: tuple[float, ...] = (),
+        step_seconds: float = 0.0,
     ) -> None:
-        """Save at `step` (collective); with async saves, start it and return."""
+        """Save at `step` (collective); with async saves, start it and return. `step_seconds`:
+        the wall time of the step before it, recorded with the save's own timing."""
         self.finish()
+        self.step_seconds = step_seconds
         target = dist_ckpt.Target(
             self.root, step, cursor, loss, self.layout, self.spec.keep_last, self.protect,
             self.spec.keep_seconds, loss_trend,
@@ -123,6 +128,11 @@ class Checkpointer:
             stall_seconds=round(stall, 3), async_save=self.spec.async_save,
         )  # fmt: skip
         if torch.distributed.get_rank() == 0:
+            timing = SaveTiming(step, duration, stall, self.step_seconds, self.spec.async_save)
+            try:
+                write_save_timing(self.root, timing)
+            except OSError as exc:  # the supervisor falls back to its default lead
+                self.log("save_timing_failed", error=repr(exc))
             victim = self.faults.corrupt_after_publish(step, path)
             if victim is not None:
                 self.log("injected_checkpoint_corruption", step=step, file=str(victim))

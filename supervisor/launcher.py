@@ -8,10 +8,12 @@ on plain data. The only side effect is `submit`, which hands the request to a
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contracts.checkpoints import SaveTiming
 from contracts.spec import RunSpec
 from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobRequest, Submission
@@ -33,6 +35,34 @@ class NodeSetup:
         return cls(settings.job_python, settings.job_setup)
 
 
+#: The stop signal's lead before the time limit (SLURM `--signal=USR2@lead`) while no save of
+#: the run has been measured, and its bounds: the trainer checkpoints at the next step boundary
+#: on it, so the lead must cover a step and a whole save, with room to spare.
+DEFAULT_SIGNAL_LEAD_S = 90
+MIN_SIGNAL_LEAD_S = 60
+MAX_SIGNAL_LEAD_S = 1800
+SIGNAL_LEAD_FACTOR = 2.0
+SIGNAL_LEAD_SLACK_S = 30
+
+
+def signal_lead(
+    timing: SaveTiming | None, time_limit_minutes: int, default: int = DEFAULT_SIGNAL_LEAD_S
+) -> tuple[int, str]:
+    """(seconds before the time limit to send the stop signal, why): twice the run's newest
+    measured save and the step before it, plus slack, within [60 s, 30 min] and at most a
+    quarter of the time limit; `default` until a save was measured (pure)."""
+    cap = max(MIN_SIGNAL_LEAD_S, min(MAX_SIGNAL_LEAD_S, time_limit_minutes * 60 // 4))
+    if timing is None:
+        return min(default, cap), f"default {default} s (no save measured yet)"
+    need = SIGNAL_LEAD_FACTOR * (timing.seconds + timing.step_seconds) + SIGNAL_LEAD_SLACK_S
+    lead = int(min(cap, max(MIN_SIGNAL_LEAD_S, math.ceil(need))))
+    return lead, (
+        f"{SIGNAL_LEAD_FACTOR:g} × (save {timing.seconds:.1f} s at step {timing.step} + step "
+        f"{timing.step_seconds:.2f} s) + {SIGNAL_LEAD_SLACK_S} s, within "
+        f"[{MIN_SIGNAL_LEAD_S}, {cap}] s"
+    )
+
+
 @dataclass(frozen=True)
 class SubmitPlan:
     """One attempt of one run, as the reconciler decided it."""
@@ -51,7 +81,7 @@ class SubmitPlan:
     metrics: bool = True
     node_setup: NodeSetup = field(default_factory=NodeSetup)
     requeue: bool = False
-    signal_delay_s: int = 90
+    signal_delay_s: int = DEFAULT_SIGNAL_LEAD_S
     entry: str = "megatron_runs.train"
     env: dict[str, str] = field(default_factory=dict)
 

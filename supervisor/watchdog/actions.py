@@ -35,7 +35,14 @@ from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.auth import Scope
 from supervisor.db import Database
-from supervisor.launcher import NodeSetup, SubmitPlan, job_name, submit
+from supervisor.launcher import (
+    DEFAULT_SIGNAL_LEAD_S,
+    NodeSetup,
+    SubmitPlan,
+    job_name,
+    signal_lead,
+    submit,
+)
 from supervisor.models import (
     Action,
     ActionState,
@@ -81,7 +88,7 @@ class ActuatorConfig:
     home: Path
     supervisor_url: str | None = None
     node_setup: NodeSetup = field(default_factory=NodeSetup)
-    signal_delay_s: int = 90
+    signal_delay_s: int = DEFAULT_SIGNAL_LEAD_S
 
 
 @dataclass(frozen=True)
@@ -223,6 +230,7 @@ class Actuator:
                     skip_ranges=merge_ranges(run.skip_ranges_json),
                     exclude=sorted(set(run.excluded_nodes_json)),
                 )
+        stop_signal: dict[str, Any] = {}
         if found:
             job_id = found
         else:
@@ -230,11 +238,17 @@ class Actuator:
                 _token, secret = store.create_token(
                     s, f"worker-{run_id}-a{number}", [Scope.SUBMIT], run_id=run_id
                 )
+            ckpt_dir = checkpoint_dir(self.config.home, run_id, spec)
+            lead, lead_basis = signal_lead(
+                checkpoints.read_save_timing(ckpt_dir),
+                spec.resources.time_limit_minutes,
+                self.config.signal_delay_s,
+            )
             plan = SubmitPlan(
                 run_id=run_id,
                 attempt=number,
                 spec=spec,
-                checkpoint_dir=checkpoint_dir(self.config.home, run_id, spec),
+                checkpoint_dir=ckpt_dir,
                 log_dir=log_dir,
                 resume_step=resume_step,
                 skip_ranges=tuple((int(a), int(b)) for a, b in merge_ranges(run.skip_ranges_json)),
@@ -242,8 +256,9 @@ class Actuator:
                 supervisor_url=self.config.supervisor_url,
                 worker_token=secret,
                 node_setup=self.config.node_setup,
-                signal_delay_s=self.config.signal_delay_s,
+                signal_delay_s=lead,
             )
+            stop_signal = {"signal_lead_s": lead, "signal_lead": lead_basis}
             try:
                 with self._side_effect():
                     job_id = submit(self.cluster, plan).job_id
@@ -262,7 +277,7 @@ class Actuator:
                 return None
         with self.db.write_session() as s:
             store.update_attempt(s, run_id, number, job_id=job_id)
-        self._finish(key, True, {"job_id": job_id})
+        self._finish(key, True, {"job_id": job_id, **stop_signal})
         log.info("submitted", extra={**_ctx(run_id, number), "job_id": job_id})
         return job_id
 

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from supervisor import store
 from supervisor.db import Database
-from supervisor.launcher import JOB_PREFIX, NodeSetup
+from supervisor.launcher import DEFAULT_SIGNAL_LEAD_S, JOB_PREFIX, NodeSetup
 from supervisor.metrics import SupervisorMetrics
 from supervisor.metrics_in import MetricSource, PrometheusSource, ScrapeSource, Target
 from supervisor.models import Action, Attempt, AttemptState, Run, RunState
@@ -66,7 +66,7 @@ class WatchdogConfig:
     lease_ttl_s: float = 30.0
     lost_after_s: float = 300.0
     node_setup: NodeSetup = field(default_factory=NodeSetup)
-    signal_delay_s: int = 90
+    signal_delay_s: int = DEFAULT_SIGNAL_LEAD_S
     holder: str = field(default_factory=default_holder)
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from contracts.checkpoints import SAVE_TIMING_PATH, SaveTiming, read_save_timing, write_save_timing
 from contracts.spec import RunSpec
 from supervisor import launcher
-from supervisor.launcher import SubmitPlan
+from supervisor.launcher import SubmitPlan, signal_lead
 
 
 @pytest.fixture
@@ -90,3 +91,23 @@ def test_training_task_carries_the_attempt_and_pickles(plan):
     assert (clone.resume_step, clone.skip_ranges, clone.attempt) == (40, ((100, 200),), 3)
     assert RunSpec.model_validate_json(clone.spec_json) == plan.spec
     assert not hasattr(task, "checkpoint")  # submitit must not requeue on its own
+
+
+def test_the_stop_signal_lead_covers_the_runs_measured_save_within_bounds() -> None:
+    assert signal_lead(None, 24 * 60) == (90, "default 90 s (no save measured yet)")
+    assert signal_lead(None, 4)[0] == 60  # never more than a quarter of a short limit, ≥ 60 s
+    measured = SaveTiming(step=100, seconds=40.0, stall_seconds=0.4, step_seconds=1.2)
+    lead, why = signal_lead(measured, 24 * 60)
+    assert lead == 113 and "save 40.0 s at step 100" in why  # 2 × (40 + 1.2) + 30, rounded up
+    assert signal_lead(SaveTiming(1, 1.0, 1.0, 0.1), 24 * 60)[0] == 60  # a fast save: the floor
+    assert signal_lead(SaveTiming(1, 900.0, 1.0, 5.0), 24 * 60)[0] == 1800  # the cap
+    assert signal_lead(SaveTiming(1, 900.0, 1.0, 5.0), 60)[0] == 900  # a quarter of 1 h
+
+
+def test_save_timing_round_trips_and_a_missing_or_torn_file_is_none(tmp_path: Path) -> None:
+    assert read_save_timing(tmp_path) is None
+    timing = SaveTiming(step=20, seconds=3.5, stall_seconds=0.2, step_seconds=0.1, async_save=True)
+    write_save_timing(tmp_path, timing)
+    assert read_save_timing(tmp_path) == timing
+    (tmp_path / SAVE_TIMING_PATH).write_text('{"step": 20, "sec')
+    assert read_save_timing(tmp_path) is None

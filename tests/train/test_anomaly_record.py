@@ -12,7 +12,7 @@ import pytest
 from train_helpers import spec_dict
 
 from contracts import anomalies, exitcodes
-from contracts.checkpoints import list_checkpoints
+from contracts.checkpoints import list_checkpoints, read_save_timing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -54,6 +54,10 @@ def test_bad_steps_are_named_to_the_sample_and_a_resume_keeps_judging(run_train,
     # The checkpoint the second attempt resumed from kept the trend it judged step 21 by.
     at_20 = next(c for c in list_checkpoints(ckpt) if c.step == 20)
     assert len(at_20.loss_trend) == 19  # steps 1-20 but the NaN one
+    # The newest save's timing, which sizes the next attempt's stop-signal lead.
+    timing = read_save_timing(ckpt)
+    assert timing is not None and timing.step == 26 and timing.seconds > 0
+    assert timing.step_seconds > 0 and not timing.async_save
 
 
 def test_more_skipped_updates_than_the_budget_stop_the_run_with_exit_79(

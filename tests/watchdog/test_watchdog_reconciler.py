@@ -14,7 +14,7 @@ from watchdog_curves import Faults, simulate
 from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
 
 from contracts import anomalies, exitcodes
-from contracts.checkpoints import pinned
+from contracts.checkpoints import SaveTiming, pinned, write_save_timing
 from contracts.paths import checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor import accounting, store
@@ -728,3 +728,24 @@ def test_a_spike_seen_only_after_the_run_ended_is_still_recorded(
     assert incident.kind == FindingKind.LOSS_SPIKE.value and incident.state is IncidentState.OPEN
     assert incident.evidence_json["bad_samples"] == [[2384, 2392]]
     assert "after the run ended" in incident.evidence_json["finding"]
+
+
+def test_a_resubmission_sends_its_stop_signal_a_measured_save_ahead(
+    db: Database, tmp_path: Path
+) -> None:
+    """The trainer recorded a 40 s save: the requeued attempt's USR2 comes 2 × (40 + 1) + 30 s
+    before its time limit, not the default 90 s, and the submit action says why."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec, run_id, job = running(db, tmp_path, cluster, source)
+    assert cluster.submitted[-1][1].signal_delay_s == 90  # nothing measured yet
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(TINY_SPEC))
+    write_checkpoint(ckpt, 150, 1200)
+    write_save_timing(
+        ckpt, SaveTiming(step=150, seconds=40.0, stall_seconds=40.0, step_seconds=1.0)
+    )
+    cluster.set(job, JobState.PREEMPTED)
+    assert rec.tick().remedies[run_id].kind is RemedyKind.REQUEUE
+    assert cluster.submitted[-1][1].signal_delay_s == 112
+    submits = [a for a in rows(db, Action, run_id) if a.kind == "submit"]
+    assert submits[-1].result_json["signal_lead_s"] == 112
+    assert "save 40.0 s at step 150" in submits[-1].result_json["signal_lead"]

@@ -202,6 +202,26 @@ def test_the_trainers_budget_stop_names_its_cause(
         assert remedy.skip_ranges == skips and remedy.to_step == 0
 
 
+def test_a_node_tipping_a_budget_a_contained_nan_batch_began_is_dated_by_its_own_strikes(
+    rc: RecoverySpec,
+) -> None:
+    """Seed 16: a NaN batch at steps 29-30 (contained), then n2's NaN at 64-65 exceeded the
+    budget of 3. The node is to blame, from step 64: resuming from before 29 loses 35 steps."""
+    records = [nan(29, [(224, 232)], ["n1"]), nan(30, [(232, 240)], ["n1"])]
+    records += [nan(64, nodes=["n2"]), nan(65, nodes=["n2"])]
+    stop = dataclasses.replace(records[-1], kind=STOP, skipped_updates=4, window_steps=100)
+    snap = _snap([*records, stop], 65)
+    (f, *_) = detect_all(snap, rc)
+    assert (f.cause, f.nodes, f.first_bad_step, f.last_healthy_step) == (
+        Cause.NODE,
+        ("n2",),
+        64,
+        63,
+    )
+    remedy = decide(snap, [f], HISTORY, rc)
+    assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.to_step == 30
+
+
 def test_a_tolerated_spike_is_contained_once_over_and_a_longer_one_is_not(
     rc: RecoverySpec,
 ) -> None:

@@ -169,7 +169,10 @@ def _budget_finding(stop: Anomaly, records: Sequence[Anomaly], snap: Snapshot) -
     samples = merge_ranges(r for a in counted for r in a.samples)
     if not samples and not nodes:  # nothing singled out: the steps' samples are the suspects
         samples = merge_ranges(a.consumed for a in counted)
-    first = counted[0] if counted else stop
+    # The onset is the blamed cause's first step: a node's NaN that tipped a budget partly
+    # spent by an earlier, contained NaN batch began at the node's first strike.
+    blamed = [a for a in counted if set(_blamed_nodes([a], snap)) & set(nodes)] if nodes else []
+    first = (blamed or counted or [stop])[0]
     steps = [a.step for a in counted]
     why = f"nodes {', '.join(nodes)}" if nodes else f"samples {_text(samples)}"
     return Finding(
