@@ -16,6 +16,7 @@ checkpoint before it stops the job that would otherwise prune it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -304,6 +305,8 @@ class SaveTiming:
     #: The wall time of the step before it (a signal lands mid-step: that step ends first).
     step_seconds: float
     async_save: bool = False
+    #: The save interval the trainer goes on with (`checkpoint.interval_auto` adapts it).
+    interval_steps: int = 0
 
 
 def write_save_timing(root: Path | str, timing: SaveTiming) -> None:
@@ -325,6 +328,17 @@ def read_save_timing(root: Path | str) -> SaveTiming | None:
             stall_seconds=float(d["stall_seconds"]),
             step_seconds=float(d["step_seconds"]),
             async_save=bool(d.get("async_save", False)),
+            interval_steps=int(d.get("interval_steps", 0)),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def young_daly_steps(save_cost_s: float, mtbf_s: float, step_s: float, lo: int, hi: int) -> int:
+    """Steps between saves that minimise the expected lost time: Young's sqrt(2 · C · M)
+    seconds of training (C the loop's cost per save, M the mean time between failures), in
+    steps of `step_s`, within [lo, hi] (pure)."""
+    if step_s <= 0 or mtbf_s <= 0:
+        return hi
+    steps = math.sqrt(2.0 * max(save_cost_s, 0.0) * mtbf_s) / step_s
+    return int(min(hi, max(lo, round(steps))))

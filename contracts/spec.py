@@ -208,6 +208,27 @@ class CheckpointSpec(_Strict):
         default=None, description="Default: $NIGHTWATCH_HOME/runs/<run id>/checkpoints."
     )
     async_save: bool = False
+    interval_auto: bool = Field(
+        default=False,
+        description="Save every sqrt(2 × save cost × MTBF) of training (Young/Daly), from the "
+        "loop's measured stall per save and the run's observed fault rate (mtbf_hours until "
+        "it has one), within [interval_min_steps, interval_max_steps]; interval_steps until "
+        "the first save is measured.",
+    )
+    interval_min_steps: PositiveInt = 10
+    interval_max_steps: PositiveInt = 5000
+    mtbf_hours: float = Field(
+        default=24.0, gt=0, description="Mean time between failures assumed before any fault."
+    )
+
+    @model_validator(mode="after")
+    def _interval_bounds(self) -> CheckpointSpec:
+        if self.interval_min_steps > self.interval_max_steps:
+            raise ValueError(
+                f"interval_min_steps ({self.interval_min_steps}) must not exceed "
+                f"interval_max_steps ({self.interval_max_steps})"
+            )
+        return self
 
 
 class RecoverySpec(_Strict):

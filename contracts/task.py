@@ -27,6 +27,9 @@ class TrainContext:
     metrics_port: int | None = None
     on_metrics_ready: Callable[[str, int], None] | None = None
     stop_at_step: int | None = None
+    #: The run's mean time between failures as the supervisor estimates it (the
+    #: `checkpoint.interval_auto` interval's input; None: the spec's prior).
+    mtbf_seconds: float | None = None
 
 
 def node_name() -> str:

@@ -34,10 +34,11 @@ from megatron_runs.schedule import flops_per_token, lr_at, peak_flops  # noqa: E
 from megatron_runs.setup import SetupClock, StopFlag, Trainer, set_up  # noqa: E402
 from megatron_runs.train import TrainResult  # noqa: E402
 
-#: The step's all-reduced stats: loss sum, microbatch count, stop signal; then one slot per
-#: node of the job, set where a device of that node made non-finite gradients; then one slot
-#: per sample of the global batch, its own loss (`megatron_runs.anomaly` judges them).
-STATS_FIXED = 3
+#: The step's all-reduced stats: loss sum, microbatch count, stop signal, the save interval
+#: rank 0 proposes (0: none); then one slot per node of the job, set where a device of that
+#: node made non-finite gradients; then one slot per sample of the global batch, its own loss
+#: (`megatron_runs.anomaly` judges them).
+STATS_FIXED = 4
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class _Step:
     ok: bool
     #: The stop signal any rank saw (0: none).
     signum: int
+    #: The save interval rank 0 proposed at this step (0: none).
+    interval: int
     #: Per node of the job: nonzero where a device of that node made non-finite gradients.
     made_nan: list[float]
     #: The step's global sample indices and each one's own loss.
@@ -97,8 +100,9 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     exit_code = exitcodes.OK
     target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
     checkpoints = Checkpointer(
-        spec.checkpoint, tr.root, tr.layout, tr.resumed_from, tr.metrics, tr.faults, tr.log
-    )
+        spec.checkpoint, tr.root, tr.layout, tr.resumed_from, tr.metrics, tr.faults, tr.log,
+        ctx.mtbf_seconds,
+    )  # fmt: skip
     trend = LossTrend(spec.recovery.loss_spike_window)
     for x in tr.loss_trend:
         trend.add(x)
@@ -113,7 +117,8 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     )  # fmt: skip
 
     while tr.step < target:
-        done = _train_step(spec, ctx, tr, plan, stop)
+        done = _train_step(spec, ctx, tr, plan, stop, checkpoints.proposed)
+        checkpoints.proposed = 0  # carried to every rank by this step's all-reduce
         tr.step, tr.cursor = done.step, done.cursor
         losses.append(done.loss)
         bad = _judge(spec, ctx, tr, done, trend)
@@ -126,8 +131,14 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         if check_every and done.step % check_every == 0:
             _check_replicas(tr, done.step)
         checkpoints.poll()
+        if done.interval and done.interval != checkpoints.interval:
+            tr.log(
+                "checkpoint_interval", step=done.step, interval_steps=done.interval,
+                was=checkpoints.interval, mtbf_seconds=round(checkpoints.mtbf_seconds),
+            )  # fmt: skip
+            checkpoints.interval = done.interval
         stop_requested = done.signum > 0
-        if done.step % spec.checkpoint.interval_steps == 0 or done.step >= target or stop_requested:
+        if done.step % checkpoints.interval == 0 or done.step >= target or stop_requested:
             finish_param_gather(tr.model)
             checkpoints.save(
                 tr.model, tr.optimizer, tr.step, tr.cursor, done.loss, tuple(trend.losses),
@@ -149,10 +160,11 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
 
 
 def _train_step(
-    spec: RunSpec, ctx: TrainContext, tr: Trainer, plan: _Plan, stop: StopFlag
+    spec: RunSpec, ctx: TrainContext, tr: Trainer, plan: _Plan, stop: StopFlag, proposed: int
 ) -> _Step:
     """Forward, backward and optimizer step of step `tr.step + 1` on this rank's share of the
-    global batch, then the one all-reduce of its loss, stop signal and non-finite flags."""
+    global batch, then the one all-reduce of its loss, stop signal, the save interval rank 0
+    proposes (`proposed`, 0 elsewhere), non-finite flags and each sample's loss."""
     step_start = time.perf_counter()
     step = tr.step + 1
     t = spec.training
@@ -189,7 +201,8 @@ def _train_step(
     # one all-reduce and one host sync per step.
     reported = float(len(out)) if plan.loss_reporter else 0.0
     stats = torch.tensor(
-        [0.0, reported, float(stop.signum)] + [0.0] * len(tr.nodes),
+        [0.0, reported, float(stop.signum), float(proposed if tr.rank == 0 else 0)]
+        + [0.0] * len(tr.nodes),
         dtype=torch.float64,
         device=tr.device,
     )
@@ -205,7 +218,7 @@ def _train_step(
     stats = torch.cat([stats, per_sample])
     torch.distributed.all_reduce(stats)
     values = stats.tolist()
-    loss_sum, count, signum = values[:STATS_FIXED]
+    loss_sum, count, signum, interval = values[:STATS_FIXED]
     made_nan = values[STATS_FIXED : STATS_FIXED + len(tr.nodes)]
     return _Step(
         step=step,
@@ -216,6 +229,7 @@ def _train_step(
         lr=lr,
         ok=ok,
         signum=int(signum),
+        interval=int(interval),
         made_nan=made_nan,
         indices=taken.indices,
         sample_losses=values[STATS_FIXED + len(tr.nodes) :],

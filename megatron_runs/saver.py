@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from contracts.checkpoints import SaveTiming, write_save_timing
+from contracts.checkpoints import SaveTiming, write_save_timing, young_daly_steps
 from contracts.spec import CheckpointSpec
 from megatron_runs import dist_ckpt
 from megatron_runs.faults import Faults
@@ -42,8 +42,14 @@ class Checkpointer:
         metrics: TrainMetrics | None,
         faults: Faults,
         log: Callable[..., None],
+        mtbf_seconds: float | None = None,
     ) -> None:
         self.spec = spec
+        self.mtbf_seconds = mtbf_seconds or spec.mtbf_hours * 3600
+        #: Steps between saves; with `interval_auto`, rank 0 proposes a new one after each
+        #: save (`proposed`) and the loop adopts it once the step's all-reduce carried it.
+        self.interval = spec.interval_steps
+        self.proposed = 0
         self.root = root
         self.layout = layout
         self.protect = frozenset({resumed_from} if resumed_from else set())
@@ -128,7 +134,15 @@ class Checkpointer:
             stall_seconds=round(stall, 3), async_save=self.spec.async_save,
         )  # fmt: skip
         if torch.distributed.get_rank() == 0:
-            timing = SaveTiming(step, duration, stall, self.step_seconds, self.spec.async_save)
+            if self.spec.interval_auto:
+                self.proposed = young_daly_steps(
+                    stall, self.mtbf_seconds, self.step_seconds,
+                    self.spec.interval_min_steps, self.spec.interval_max_steps,
+                )  # fmt: skip
+            timing = SaveTiming(
+                step, duration, stall, self.step_seconds, self.spec.async_save,
+                self.proposed or self.interval,
+            )  # fmt: skip
             try:
                 write_save_timing(self.root, timing)
             except OSError as exc:  # the supervisor falls back to its default lead

@@ -53,3 +53,10 @@ def run_ettr(*, wall_s: float, productive_steps: int, mean_step_s: float | None)
     if wall_s <= 0 or mean_step_s is None:
         return None
     return max(0.0, min(1.0, productive_steps * mean_step_s / wall_s))
+
+
+def mtbf_estimate(training_seconds: float, faults: int, prior_seconds: float) -> float:
+    """The run's mean time between failures: its training time over its faults, with the
+    spec's prior counted as one fault-free stretch, so a run without faults yet keeps the prior
+    and one with many converges to its own rate."""
+    return (max(training_seconds, 0.0) + prior_seconds) / (max(faults, 0) + 1)

@@ -78,6 +78,7 @@ class SubmitPlan:
     supervisor_url: str | None = None
     worker_token: str | None = None
     stop_at_step: int | None = None
+    mtbf_seconds: float | None = None
     metrics: bool = True
     node_setup: NodeSetup = field(default_factory=NodeSetup)
     requeue: bool = False
@@ -169,6 +170,7 @@ def training_task(plan: SubmitPlan) -> TrainingTask:
         resume_step=plan.resume_step,
         skip_ranges=tuple(plan.skip_ranges),
         stop_at_step=plan.stop_at_step,
+        mtbf_seconds=plan.mtbf_seconds,
         metrics=plan.metrics,
         entry=plan.entry,
         env=tuple(sorted(job_env(plan).items())),

@@ -65,6 +65,7 @@ class TrainingTask:
     resume_step: int | None = None
     skip_ranges: tuple[tuple[int, int], ...] = ()
     stop_at_step: int | None = None
+    mtbf_seconds: float | None = None
     metrics: bool = True
     entry: str = "megatron_runs.train"
     env: tuple[tuple[str, str], ...] = ()
@@ -150,6 +151,7 @@ class TrainingTask:
             metrics_port=0 if self.metrics else None,
             on_metrics_ready=registrar.start if registrar else None,
             stop_at_step=self.stop_at_step,
+            mtbf_seconds=self.mtbf_seconds,
         )
         if early.signum is not None:
             log.warning("stop signal %d before training started", early.signum, extra=context)

@@ -34,7 +34,7 @@ from supervisor.store.errors import (
     NotFound,
     StoreError,
 )
-from supervisor.store.events import add_event, record_event
+from supervisor.store.events import add_event, last_checkpoint_interval, record_event
 from supervisor.store.leases import acquire_lease, db_now, renew_lease
 from supervisor.store.operator import (
     clear_operator_request,
@@ -92,6 +92,7 @@ __all__ = [
     "get_attempts",
     "get_run",
     "incident_counts",
+    "last_checkpoint_interval",
     "list_events",
     "list_runs",
     "list_tokens",

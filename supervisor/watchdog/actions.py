@@ -26,13 +26,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contracts import anomalies, checkpoints
 from contracts.paths import attempt_log_dir, checkpoint_dir
 from contracts.spec import RunSpec
-from supervisor import store
+from supervisor import accounting, store
 from supervisor.auth import Scope
 from supervisor.db import Database
 from supervisor.launcher import (
@@ -48,6 +48,7 @@ from supervisor.models import (
     ActionState,
     Attempt,
     AttemptState,
+    Incident,
     NodeHealth,
     Run,
     RunState,
@@ -239,6 +240,7 @@ class Actuator:
                     s, f"worker-{run_id}-a{number}", [Scope.SUBMIT], run_id=run_id
                 )
             ckpt_dir = checkpoint_dir(self.config.home, run_id, spec)
+            mtbf = self._mtbf(run_id, spec) if spec.checkpoint.interval_auto else None
             lead, lead_basis = signal_lead(
                 checkpoints.read_save_timing(ckpt_dir),
                 spec.resources.time_limit_minutes,
@@ -257,8 +259,11 @@ class Actuator:
                 worker_token=secret,
                 node_setup=self.config.node_setup,
                 signal_delay_s=lead,
+                mtbf_seconds=mtbf[0] if mtbf else None,
             )
             stop_signal = {"signal_lead_s": lead, "signal_lead": lead_basis}
+            if mtbf:
+                stop_signal.update(mtbf_s=round(mtbf[0]), mtbf=mtbf[1])
             try:
                 with self._side_effect():
                     job_id = submit(self.cluster, plan).job_id
@@ -280,6 +285,26 @@ class Actuator:
         self._finish(key, True, {"job_id": job_id, **stop_signal})
         log.info("submitted", extra={**_ctx(run_id, number), "job_id": job_id})
         return job_id
+
+    def _mtbf(self, run_id: str, spec: RunSpec) -> tuple[float, str]:
+        """(the run's MTBF estimate in seconds, why): its attempts' training time over the
+        faults a remedy answered (contained ones and requeues are not failures of the job)."""
+        now = self._now()
+        with self.db.session() as s:
+            attempts = store.get_attempts(s, run_id)
+            faults = s.scalar(
+                select(func.count()).select_from(Incident).where(
+                    Incident.run_id == run_id,
+                    Incident.remedy.is_not(None),
+                    Incident.remedy.not_in([RemedyKind.NONE.value, RemedyKind.REQUEUE.value]),
+                )
+            ) or 0  # fmt: skip
+        trained = sum(
+            ((a.ended_at or now) - a.started_at).total_seconds() for a in attempts if a.started_at
+        )
+        prior = spec.checkpoint.mtbf_hours * 3600
+        mtbf = accounting.mtbf_estimate(trained, faults, prior)
+        return mtbf, f"({trained:.0f} s trained + {prior:.0f} s prior) / ({faults} faults + 1)"
 
     def _already_submitted(self, run_id: str, number: int, log_dir: Path) -> str | None:
         """A job of a submission whose outcome was never recorded (the supervisor died),

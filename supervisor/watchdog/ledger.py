@@ -18,11 +18,19 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from contracts import exitcodes
-from contracts.checkpoints import CheckpointInfo
+from contracts.checkpoints import CheckpointInfo, SaveTiming
 from supervisor import accounting, store
 from supervisor.db import Database
 from supervisor.metrics_in import MetricsView, SourceHealth
-from supervisor.models import Attempt, AttemptState, Incident, IncidentState, Run, RunState
+from supervisor.models import (
+    Attempt,
+    AttemptState,
+    EventKind,
+    Incident,
+    IncidentState,
+    Run,
+    RunState,
+)
 from supervisor.watchdog.detectors.trainer import Episode
 from supervisor.watchdog.observe import as_datetime
 from supervisor.watchdog.snapshot import Cause, FindingKind, JobView, Remedy, RemedyKind
@@ -92,6 +100,8 @@ class Ledger:
         self.db = db
         #: run → the trainer records its incidents were made from (read once per process)
         self._recorded: dict[str, set[str]] = {}
+        #: run → the save interval last recorded in its events (read once per process)
+        self._interval: dict[str, int | None] = {}
 
     def record_observation(
         self,
@@ -268,8 +278,33 @@ class Ledger:
         recorded.update(e.key for e in new)
         return len(new)
 
+    def record_interval(self, run: Run, attempt: int, timing: SaveTiming | None) -> bool:
+        """A change of the interval the trainer saves at (`checkpoint.interval_auto`), as one
+        checkpoint event with the save it was sized by; once per change, also across a
+        supervisor restart (the newest such event is read back on first sight)."""
+        if timing is None or not timing.interval_steps:
+            return False
+        if run.id not in self._interval:
+            with self.db.session() as s:
+                self._interval[run.id] = store.last_checkpoint_interval(s, run.id)
+        if self._interval[run.id] == timing.interval_steps:
+            return False
+        with self.db.write_session() as s:
+            store.add_event(
+                s, run.id, EventKind.CHECKPOINT,
+                f"checkpoint interval {timing.interval_steps} steps (save cost "
+                f"{timing.stall_seconds:.2f} s, step {timing.step_seconds:.3f} s, at step "
+                f"{timing.step})",
+                attempt=attempt,
+                data={"interval_steps": timing.interval_steps, "save_step": timing.step,
+                      "stall_seconds": timing.stall_seconds, "step_seconds": timing.step_seconds},
+            )  # fmt: skip
+        self._interval[run.id] = timing.interval_steps
+        return True
+
     def forget(self, run_id: str) -> None:
         self._recorded.pop(run_id, None)
+        self._interval.pop(run_id, None)
 
     def close_incidents(self, incidents: Sequence[Incident], now: float) -> None:
         """The run reached its target with incidents whose recovery was never scraped (a short

@@ -23,7 +23,13 @@ from sqlalchemy.orm import Session, defer
 
 from contracts.anomalies import Anomaly, ledger_path
 from contracts.anomalies import parse as parse_anomalies
-from contracts.checkpoints import CheckpointInfo, list_checkpoints
+from contracts.checkpoints import (
+    SAVE_TIMING_PATH,
+    CheckpointInfo,
+    SaveTiming,
+    list_checkpoints,
+    read_save_timing,
+)
 from contracts.paths import attempt_log_dir, checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor import store
@@ -111,6 +117,8 @@ class Observer:
         self._log_causes: dict[tuple[str, int], LogCause] = {}
         #: run → (the trainer's record file's size and mtime, its records)
         self._anomalies: dict[str, tuple[tuple[int, int], list[Anomaly]]] = {}
+        #: run → (its save-timing file's mtime, the timing)
+        self._timings: dict[str, tuple[int, SaveTiming | None]] = {}
 
     def read_db(self) -> World:
         """The database's part of the world: one query per table for every run."""
@@ -132,6 +140,7 @@ class Observer:
         keep = {r.id for r in [*pending, *watched]}
         self._specs = {k: v for k, v in self._specs.items() if k in keep}
         self._anomalies = {k: v for k, v in self._anomalies.items() if k in keep}
+        self._timings = {k: v for k, v in self._timings.items() if k in keep}
         return world
 
     def read_sources(self, world: World, now: float) -> None:
@@ -198,6 +207,19 @@ class Observer:
             return cached[1] if cached else []
         self._anomalies[run.id] = (stamp, records)
         return records
+
+    def save_timing(self, run: Run, spec: RunSpec) -> SaveTiming | None:
+        """The trainer's newest save timing (and the interval it saves at), re-read only when
+        the file changed."""
+        root = checkpoint_dir(self.home, run.id, spec)
+        try:
+            stamp = (root / SAVE_TIMING_PATH).stat().st_mtime_ns
+        except OSError:
+            return None
+        cached = self._timings.get(run.id)
+        if cached is None or cached[0] != stamp:
+            cached = self._timings[run.id] = (stamp, read_save_timing(root))
+        return cached[1]
 
     def log_cause(
         self, run: Run, attempt: Attempt, status: JobStatus | None, view: MetricsView

@@ -338,6 +338,8 @@ class Reconciler:
         self.ledger.record_episodes(
             run, attempt.number, contained(snap, spec.recovery), FindingKind.CONTAINED
         )
+        if spec.checkpoint.interval_auto:
+            self.ledger.record_interval(run, attempt.number, self.observer.save_timing(run, spec))
         if (
             job.state is AttemptState.COMPLETED
             and disk.step is not None

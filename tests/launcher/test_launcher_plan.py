@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from contracts.checkpoints import SAVE_TIMING_PATH, SaveTiming, read_save_timing, write_save_timing
+from contracts.checkpoints import (
+    SAVE_TIMING_PATH,
+    SaveTiming,
+    read_save_timing,
+    write_save_timing,
+    young_daly_steps,
+)
 from contracts.spec import RunSpec
 from supervisor import launcher
+from supervisor.accounting import mtbf_estimate
 from supervisor.launcher import SubmitPlan, signal_lead
 
 
@@ -111,3 +118,15 @@ def test_save_timing_round_trips_and_a_missing_or_torn_file_is_none(tmp_path: Pa
     assert read_save_timing(tmp_path) == timing
     (tmp_path / SAVE_TIMING_PATH).write_text('{"step": 20, "sec')
     assert read_save_timing(tmp_path) is None
+
+
+def test_young_daly_interval_and_the_mtbf_estimate() -> None:
+    # 2 s per save, a failure a day, 1 s steps: sqrt(2 · 2 · 86400) ≈ 588 s of training.
+    assert young_daly_steps(2.0, 86400.0, 1.0, 10, 5000) == 588
+    assert young_daly_steps(2.0, 86400.0, 1.0, 10, 500) == 500  # the cap
+    assert young_daly_steps(0.001, 60.0, 1.0, 10, 500) == 10  # the floor
+    assert young_daly_steps(2.0, 86400.0, 0.0, 10, 500) == 500  # no step time: the cap
+    # A day's prior counts as one fault-free stretch: no fault yet keeps it...
+    assert mtbf_estimate(0.0, 0, 86400.0) == 86400.0
+    # ...and 3 faults in 6 h of training bring it down: (6 h + 24 h) / 4.
+    assert mtbf_estimate(6 * 3600.0, 3, 86400.0) == 7.5 * 3600

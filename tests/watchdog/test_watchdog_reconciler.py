@@ -661,9 +661,10 @@ def test_a_contained_nan_batch_is_recorded_once_and_nothing_is_done(
         1, 33, anomalies.NONFINITE, ((256, 264),), ("n1",), (256, 264), True, t=time.time() - 7
     )
     _record(ckpt, nan)
-    for reconciler in (rec, make(db, tmp_path, cluster, source)):
+    restarted = make(db, tmp_path, cluster, source, holder=rec.config.holder)
+    for reconciler in (rec, restarted):
         result = reconciler.tick()
-        assert run_id not in result.remedies
+        assert result.leader and run_id not in result.remedies
     (incident,) = rows(db, Incident, run_id)
     assert (incident.kind, incident.state, incident.remedy, incident.steps_lost) == (
         FindingKind.CONTAINED.value, IncidentState.RECOVERED, "none", 0,
@@ -749,3 +750,37 @@ def test_a_resubmission_sends_its_stop_signal_a_measured_save_ahead(
     submits = [a for a in rows(db, Action, run_id) if a.kind == "submit"]
     assert submits[-1].result_json["signal_lead_s"] == 112
     assert "save 40.0 s at step 150" in submits[-1].result_json["signal_lead"]
+
+
+def test_an_auto_interval_run_gets_its_mtbf_and_each_interval_change_is_one_event(
+    db: Database, tmp_path: Path
+) -> None:
+    cluster, source = FakeCluster(), FakeSource()
+    rec = make(db, tmp_path, cluster, source)
+    spec = {**TINY_SPEC, "checkpoint": {**TINY_SPEC.get("checkpoint", {}), "interval_auto": True,
+                                          "mtbf_hours": 2.0}}  # fmt: skip
+    run_id = new_run(db, spec)
+    rec.tick()
+    (submit,) = [a for a in rows(db, Action, run_id) if a.kind == "submit"]
+    assert submit.result_json["mtbf_s"] == 7200  # no training, no fault yet: the prior
+    job = cluster.submitted[-1][0]
+    cluster.set(job, JobState.RUNNING)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(spec))
+
+    def interval_events() -> list[int]:
+        return [e.data_json["interval_steps"] for e in rows(db, Event, run_id)
+                if e.kind is EventKind.CHECKPOINT and "interval_steps" in e.data_json]  # fmt: skip
+
+    timing = SaveTiming(
+        step=10, seconds=0.4, stall_seconds=0.4, step_seconds=0.2, interval_steps=37
+    )
+    write_save_timing(ckpt, timing)
+    rec.tick()
+    rec.tick()
+    assert interval_events() == [37]
+    restarted = make(db, tmp_path, cluster, source, holder=rec.config.holder)
+    assert restarted.tick().leader  # a restarted supervisor: nothing new
+    assert interval_events() == [37]
+    write_save_timing(ckpt, dataclasses.replace(timing, step=47, interval_steps=41))
+    rec.tick()
+    assert interval_events() == [37, 41]
