@@ -195,10 +195,15 @@ def phase_problems(plan: SmokePlan, phase: Phase, rank0_events: list[dict[str, A
 
 
 def error_tail(log_text: str, max_lines: int = 30) -> list[str]:
-    """The end of a failed rank's log: from its last traceback on when it has one (that is
-    the error; torch prefixes each line with `[rank<i>]: `), else its last lines; at most
-    `max_lines`, keeping the last."""
+    """The end of a failed rank's log, at most `max_lines`: its last traceback when it has one
+    (torch prefixes each line with `[rank<i>]: `), the header kept and the middle elided if
+    long; else its last lines."""
     lines = log_text.rstrip("\n").splitlines()
     starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
-    tail = lines[starts[-1] :] if starts else lines
-    return tail[-max_lines:]
+    if not starts:
+        return lines[-max_lines:]
+    tail = lines[starts[-1] :]
+    if len(tail) <= max_lines:
+        return tail
+    keep = max_lines - 2
+    return [tail[0], f"… {len(tail) - 1 - keep} lines …", *tail[-keep:]]

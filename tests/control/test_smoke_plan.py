@@ -136,3 +136,11 @@ def test_error_tail_starts_at_the_last_traceback() -> None:
         "[rank1]: E: boom",
     ]
     assert error_tail("\n".join(str(i) for i in range(100)), max_lines=3) == ["97", "98", "99"]
+    long = "Traceback (most recent call last):\n" + "\n".join(f"f{i}" for i in range(10))
+    assert error_tail(long, max_lines=5) == [
+        "Traceback (most recent call last):",
+        "… 7 lines …",
+        "f7",
+        "f8",
+        "f9",
+    ]
