@@ -71,6 +71,17 @@ class Settings(BaseModel):
         default=False,
         description="Let `submit` tokens set recovery.drain_excluded_nodes (else admin only).",
     )
+    allow_smoke_checks: bool = Field(
+        default=False,
+        description="Let admin tokens run `POST /v1/specs/validate?smoke=true`: CPU ranks (or "
+        "local GPUs) training on this server's host, one check at a time.",
+    )
+    smoke_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description="How long one smoke check through the API may run.",
+    )
 
     @field_validator("checkpoint_roots", "data_roots")
     @classmethod
@@ -115,6 +126,8 @@ class Settings(BaseModel):
             "sqlite_synchronous": "NIGHTWATCH_SQLITE_SYNCHRONOUS",
             "allow_fault_injection": "NIGHTWATCH_ALLOW_FAULT_INJECTION",
             "allow_node_drain": "NIGHTWATCH_ALLOW_NODE_DRAIN",
+            "allow_smoke_checks": "NIGHTWATCH_ALLOW_SMOKE_CHECKS",
+            "smoke_timeout_seconds": "NIGHTWATCH_SMOKE_TIMEOUT_SECONDS",
         }
         values: dict[str, object] = {
             field: env[var] for field, var in names.items() if env.get(var)

@@ -7,11 +7,14 @@ or failing in a collective after it, only repeat the symptom).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -60,23 +63,45 @@ def local_gpus(env: dict[str, str] | None = None) -> int:
     return sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
 
 
+class SmokeBusy(Exception):
+    """Another smoke check holds this host (`one_at_a_time`)."""
+
+
+@contextmanager
+def one_at_a_time(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_path` for one smoke check, across threads and
+    processes (the API's workers); raise SmokeBusy at once if another holds it."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise SmokeBusy(f"a smoke check is already running on this host ({lock_path})") from exc
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_smoke(
     plan: SmokePlan,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     keep_failed_logs: bool = True,
+    home: Path | None = None,
     entry: tuple[str, ...] = ("-m", "megatron_runs.train"),
 ) -> SmokeResult:
     """Every phase of `plan`, one after the other, in a fresh temporary folder (checkpoints
     and logs) that is removed afterwards; a failed phase's logs are kept unless
-    `keep_failed_logs` is false. The demo corpus is prepared (once per NIGHTWATCH_HOME)
-    before the clock starts."""
+    `keep_failed_logs` is false. The demo corpus is prepared (once per `home`, default
+    NIGHTWATCH_HOME) before the clock starts."""
     from megatron_runs.data_prep import prepare
 
-    prepare(None, nightwatch_home() / "data", plan.spec.model.vocab_size)
+    home = home or nightwatch_home()
+    prepare(None, home / "data", plan.spec.model.vocab_size)
     work = Path(tempfile.mkdtemp(prefix=f"nightwatch-smoke-{plan.spec.name}-"))
     result = None
     try:
-        result = _run_phases(plan, work, timeout_s, entry)
+        result = _run_phases(plan, work, home, timeout_s, entry)
     finally:
         if result is not None and result.log_dir is not None and keep_failed_logs:
             shutil.rmtree(work / "checkpoints", ignore_errors=True)
@@ -86,11 +111,11 @@ def run_smoke(
 
 
 def _run_phases(
-    plan: SmokePlan, work: Path, timeout_s: float, entry: tuple[str, ...]
+    plan: SmokePlan, work: Path, home: Path, timeout_s: float, entry: tuple[str, ...]
 ) -> SmokeResult:
     started = time.monotonic()
     deadline = started + timeout_s
-    env = {"NIGHTWATCH_HOME": str(nightwatch_home()), "PYTHONWARNINGS": "ignore"}
+    env = {"NIGHTWATCH_HOME": str(home), "PYTHONWARNINGS": "ignore"}
     if plan.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     spec_path = work / "spec.json"
