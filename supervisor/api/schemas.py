@@ -177,7 +177,9 @@ class SmokeOut(BaseModel):
     ranks: int
     seconds: float
     downgraded: list[str] = Field(description="What differs from the real run beyond size.")
-    phase: Literal["train", "resume"] | None = Field(description="The phase that failed.")
+    phase: Literal["prepare", "train", "resume"] | None = Field(
+        description="The phase that failed."
+    )
     error: str | None = Field(description="One line: the first failed rank and its error.")
     rank: int | None
     tail: list[str] = Field(description="The failed rank's last log lines (its traceback).")

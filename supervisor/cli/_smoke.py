@@ -22,8 +22,8 @@ def smoke_check(spec: RunSpec, timeout_s: float, quiet: bool) -> dict[str, Any]:
         typer.echo(
             f"smoke: {plan.ranks} {plan.device.upper()} ranks, TP {p.tensor} × PP {p.pipeline}"
             f"{f' × VPP {p.virtual_pipeline}' if p.virtual_pipeline else ''} × DP {p.data}, "
-            f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads / "
-            f"{m.kv_groups} KV groups, seq {m.seq_length}, "
+            f"{m.num_layers} layer{'s' if m.num_layers > 1 else ''}, hidden {m.hidden_size}, "
+            f"{m.num_attention_heads} heads / {m.kv_groups} KV groups, seq {m.seq_length}, "
             f"{plan.spec.training.train_steps} steps with a checkpoint and a resume"
         )
         for line in plan.downgraded:

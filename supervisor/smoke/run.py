@@ -34,7 +34,7 @@ class SmokeResult:
     seconds: float
     downgraded: list[str]
     phase: str | None = None
-    """The phase that failed (`train`, `resume`), None when all passed."""
+    """The phase that failed (`prepare` the demo corpus, `train`, `resume`); None if none."""
     error: str | None = None
     rank: int | None = None
     tail: list[str] = field(default_factory=list)
@@ -97,7 +97,12 @@ def run_smoke(
     from megatron_runs.data_prep import prepare
 
     home = home or nightwatch_home()
-    prepare(None, home / "data", plan.spec.model.vocab_size)
+    try:
+        prepare(None, home / "data", plan.spec.model.vocab_size)
+    except (ImportError, OSError, ValueError) as exc:  # no training packages, no disk space
+        return SmokeResult(ok=False, device=plan.device, ranks=plan.ranks, seconds=0.0,
+                           downgraded=plan.downgraded, phase="prepare",
+                           error=f"preparing the demo corpus failed: {exc!r}")  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix=f"nightwatch-smoke-{plan.spec.name}-"))
     result = None
     try:
@@ -126,7 +131,7 @@ def _run_phases(
                 "--run-id", "smoke", *phase.extra_args]  # fmt: skip
         logs = work / f"logs-{phase.name}"
         run = launch(args, plan.ranks, logs, env=env, entry=entry)
-        failure = _wait(run, deadline - time.monotonic())
+        failure = _wait(run, deadline - time.monotonic(), timeout_s)
         if failure is None:
             problems = phase_problems(plan, phase, events(run.logs[0].read_text(errors="replace")))
             failure = ("; ".join(problems), 0, []) if problems else None
@@ -138,9 +143,9 @@ def _run_phases(
     return SmokeResult(ok=True, **base, seconds=round(time.monotonic() - started, 1))
 
 
-def _wait(run: LocalRun, timeout_s: float) -> tuple[str, int, list[str]] | None:
-    """None when every rank exited 0; else (error line, rank, its log's tail), naming the
-    first rank seen to fail (launch_local stops the rest 2 s later)."""
+def _wait(run: LocalRun, left_s: float, budget_s: float) -> tuple[str, int, list[str]] | None:
+    """None when every rank exited 0 within `left_s`; else (error line, rank, its log's
+    tail), naming the first rank seen to fail (launch_local stops the rest 2 s later)."""
     first: list[int] = []
 
     def note_first_failure(r: LocalRun) -> None:
@@ -148,10 +153,10 @@ def _wait(run: LocalRun, timeout_s: float) -> tuple[str, int, list[str]] | None:
             first.extend(i for i, p in enumerate(r.procs) if p.poll() not in (None, 0))
 
     try:
-        codes = run.wait(max(timeout_s, 1.0), on_poll=note_first_failure)
+        codes = run.wait(max(left_s, 1.0), on_poll=note_first_failure)
     except TimeoutError:
         tail = error_tail(run.logs[0].read_text(errors="replace"))
-        return f"timed out after {timeout_s:.0f} s (rank 0's log ends below)", 0, tail
+        return f"timed out after {budget_s:g} s (rank 0's log ends below)", 0, tail
     if all(c == 0 for c in codes):
         return None
     rank = first[0] if first else next(i for i, c in enumerate(codes) if c != 0)

@@ -1,6 +1,7 @@
 """`nightwatch validate --smoke` on CPU ranks: the tiny example with every model feature at once
 passes (TP 2 × PP 2 × VPP 2, SP, Llama options, GQA, selective recompute, async saves), and a
-spec the validator admits but megatron cannot build fails with exit 1 and the rank's error."""
+spec the validator admits but megatron cannot build fails with exit 1 and the rank's error.
+With stand-ins for the trainer: the first rank to fail is named, a hung run is killed."""
 
 from __future__ import annotations
 
@@ -63,3 +64,38 @@ def test_a_failing_rank_is_reported_with_its_error(tmp_path: Path, nw_home: Path
     assert sorted(p.name for p in log_dir.iterdir()) == ["rank0.log", "rank1.log", "rank2.log"]
     assert not (log_dir.parent / "checkpoints").exists()
     shutil.rmtree(log_dir.parent)
+
+
+def _plan():
+    from contracts.spec import RunSpec
+    from supervisor.smoke.plan import shrink
+
+    return shrink(RunSpec.from_file(EXAMPLES / "tiny-cpu.yaml"))
+
+
+# Stand-ins for the trainer (launch_local runs `python <entry> <trainer flags>`): rank 1 fails,
+# the others wait in what would be a collective; or every rank hangs.
+_RANK1_FAILS = ("-c", "import os, time\nif os.environ['RANK'] == '1': raise RuntimeError('boom')\n"
+                "time.sleep(120)")  # fmt: skip
+_HANGS = ("-c", "import time; print('stuck in init'); time.sleep(120)")
+
+
+def test_the_first_rank_to_fail_is_named_not_the_ones_stopped_after_it(
+    nw_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor.smoke.run import run_smoke
+
+    monkeypatch.setenv("NIGHTWATCH_HOME", str(nw_home))
+    result = run_smoke(_plan(), timeout_s=60, keep_failed_logs=False, entry=_RANK1_FAILS)
+    assert (result.ok, result.phase, result.rank) == (False, "train", 1)
+    assert result.error == "rank 1 exited 1: RuntimeError: boom", result.error
+    assert result.tail[0] == "Traceback (most recent call last):" and result.log_dir is None
+
+
+def test_a_hung_run_is_killed_at_the_timeout(nw_home: Path, monkeypatch) -> None:
+    from supervisor.smoke.run import run_smoke
+
+    monkeypatch.setenv("NIGHTWATCH_HOME", str(nw_home))
+    result = run_smoke(_plan(), timeout_s=3, keep_failed_logs=False, entry=_HANGS)
+    assert not result.ok and result.error.startswith("timed out after 3 s"), result.error
+    assert result.tail == ["stuck in init"] and result.seconds < 10
