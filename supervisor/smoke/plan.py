@@ -48,22 +48,28 @@ class SmokePlan:
 
 
 def shrink(spec: RunSpec, gpus: int = 0, max_ranks: int = MAX_RANKS) -> SmokePlan:
-    """`spec` at the smallest size its features allow, on `gpus` local GPUs when the spec
-    trains on GPUs and they suffice, else on CPU ranks."""
+    """`spec` at the smallest size its features allow: on the `gpus` local GPUs when the
+    spec trains on GPUs and they hold TP × PP ranks (GPUs before DP 2: bf16, NCCL and the
+    fused kernels are more of the real run than a second data-parallel replica), else on at
+    most `max_ranks` CPU ranks."""
     p, m = spec.parallelism, spec.model
-    data = 2 if p.data > 1 and p.tensor * p.pipeline * 2 <= max_ranks else 1
-    world = p.tensor * p.pipeline * data
-    device: Device = "gpu" if spec.resources.device == "gpu" and gpus >= world else "cpu"
+    model_parallel = p.tensor * p.pipeline
+    on_gpus = spec.resources.device == "gpu" and gpus >= model_parallel
+    device: Device = "gpu" if on_gpus else "cpu"
+    limit = gpus if on_gpus else max_ranks
+    data = 2 if p.data > 1 and model_parallel * 2 <= limit else 1
+    world = model_parallel * data
     downgraded = []
     if data == 1 and p.data > 1:
+        where = f"{gpus} local GPUs" if on_gpus else f"{max_ranks} CPU ranks on one host"
         downgraded.append(
-            f"parallelism.data: {p.data} → 1 (DP 2 would need {p.tensor * p.pipeline * 2} "
-            f"ranks, more than {max_ranks} on one host)"
+            f"parallelism.data: {p.data} → 1 (DP 2 would need {model_parallel * 2} ranks, "
+            f"more than {where})"
         )
     if device == "cpu" and spec.resources.device == "gpu":
         downgraded.append(
-            f"resources.device: gpu → cpu ({gpus} local GPUs for {world} ranks): gloo instead "
-            "of NCCL, no fused kernels"
+            f"resources.device: gpu → cpu ({gpus} local GPUs for {model_parallel} model-"
+            "parallel ranks): gloo instead of NCCL, no fused kernels"
         )
     if device == "cpu" and m.precision == "bf16":
         downgraded.append("model.precision: bf16 trains as fp32 on CPU ranks (the trainer's "

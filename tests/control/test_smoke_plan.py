@@ -85,7 +85,12 @@ def test_local_gpus_keep_the_spec_on_gpus_and_bf16() -> None:
     plan = shrink(SPECS["gpt-1.3b-4gpu"], gpus=2)
     assert (plan.device, plan.ranks, plan.downgraded) == ("gpu", 2, [])
     assert plan.spec.parallelism.data == 2 and plan.spec.model.precision == "bf16"
-    assert shrink(SPECS["gpt-1.3b-4gpu"], gpus=1).device == "cpu"
+    one = shrink(SPECS["gpt-1.3b-4gpu"], gpus=1)  # a GPU rather than DP 2 on CPU ranks
+    assert (one.device, one.ranks) == ("gpu", 1)
+    assert one.downgraded == ["parallelism.data: 4 → 1 (DP 2 would need 2 ranks, more than "
+                              "1 local GPUs)"]  # fmt: skip
+    llama = shrink(SPECS["llama-8b-32gpu"], gpus=4)  # TP 4 × PP 2 needs 8
+    assert (llama.device, llama.ranks) == ("cpu", 8)
     assert shrink(SPECS["tiny-cpu"], gpus=8).device == "cpu"  # the spec trains on CPU
 
 
