@@ -118,13 +118,15 @@ def shrink(spec: RunSpec, gpus: int = 0, max_ranks: int = MAX_RANKS) -> SmokePla
 
 
 def _model(spec: RunSpec) -> dict[str, Any]:
-    """Layers: one per model chunk. Heads: TP KV groups (one per TP rank) times the spec's
-    GQA ratio, 16 wide. FFN: the spec's ratio to hidden, a multiple of TP. Sequence: 64
-    tokens, a multiple of TP (sequence parallelism splits it)."""
+    """Layers: one per model chunk. Heads: the spec's GQA ratio times one KV group per TP rank
+    (two without GQA, so each rank still splits attention into heads), 16 wide. FFN: the
+    spec's ratio to hidden, a multiple of TP. Sequence: 64 tokens, a multiple of TP
+    (sequence parallelism splits it)."""
     p, m = spec.parallelism, spec.model
     tp = p.tensor
     ratio = m.num_attention_heads // m.kv_groups
-    heads = tp * ratio
+    groups = tp * (2 if ratio == 1 else 1)
+    heads = groups * ratio
     hidden = heads * HEAD_DIM
     ffn = None
     if m.ffn_hidden_size is not None:
@@ -133,7 +135,7 @@ def _model(spec: RunSpec) -> dict[str, Any]:
         "num_layers": p.pipeline * (p.virtual_pipeline or 1),
         "hidden_size": hidden,
         "num_attention_heads": heads,
-        "num_query_groups": None if m.num_query_groups is None else tp,
+        "num_query_groups": None if m.num_query_groups is None else groups,
         "ffn_hidden_size": ffn,
         "seq_length": tp * math.ceil(min(m.seq_length, MAX_SEQ_LENGTH) / tp),
         "vocab_size": DEMO_VOCAB,

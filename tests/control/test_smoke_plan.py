@@ -79,6 +79,8 @@ def test_the_8b_example_says_what_it_gives_up_on_a_cpu_host() -> None:
     small = plan.spec.model
     assert (small.num_attention_heads, small.num_query_groups, small.hidden_size) == (16, 4, 256)
     assert small.ffn_hidden_size == 608  # the spec's 9728 / 4096 ratio, a multiple of TP
+    mha = shrink(SPECS["tiny-cpu"]).spec.model  # TP 2: two heads on each rank
+    assert (mha.num_attention_heads, mha.num_query_groups, mha.hidden_size) == (4, None, 64)
 
 
 def test_local_gpus_keep_the_spec_on_gpus_and_bf16() -> None:
