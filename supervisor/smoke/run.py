@@ -157,6 +157,9 @@ def _wait(run: LocalRun, left_s: float, budget_s: float) -> tuple[str, int, list
     except TimeoutError:
         tail = error_tail(run.logs[0].read_text(errors="replace"))
         return f"timed out after {budget_s:g} s (rank 0's log ends below)", 0, tail
+    except BaseException:  # Ctrl-C: the ranks run in their own sessions and would train on
+        run.kill()
+        raise
     if all(c == 0 for c in codes):
         return None
     rank = first[0] if first else next(i for i, c in enumerate(codes) if c != 0)
