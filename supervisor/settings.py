@@ -82,6 +82,17 @@ class Settings(BaseModel):
         default=False,
         description="Let `submit` tokens set recovery.drain_excluded_nodes (else admin only).",
     )
+    allow_smoke_checks: bool = Field(
+        default=False,
+        description="Let admin tokens run `POST /v1/specs/validate?smoke=true`: CPU ranks (or "
+        "local GPUs) training on this server's host, one check at a time.",
+    )
+    smoke_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description="How long one smoke check through the API may run.",
+    )
 
     @field_validator("job_setup", mode="before")
     @classmethod

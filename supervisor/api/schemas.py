@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -161,6 +161,29 @@ class LayoutOut(BaseModel):
     sbatch: SbatchOut | None = Field(
         default=None, description="With `?render=sbatch`: what the first attempt would submit."
     )
+    smoke: SmokeOut | None = Field(
+        default=None,
+        description="With `?smoke=true`: the smoke check's verdict (null when the layout "
+        "cannot run: nothing was started).",
+    )
+
+
+class SmokeOut(BaseModel):
+    """The spec's features trained at a tiny size on the server's host (`nightwatch validate
+    --smoke` prints the same)."""
+
+    ok: bool
+    device: Literal["cpu", "gpu"]
+    ranks: int
+    seconds: float
+    downgraded: list[str] = Field(description="What differs from the real run beyond size.")
+    phase: Literal["prepare", "train", "resume"] | None = Field(
+        description="The phase that failed."
+    )
+    error: str | None = Field(description="One line: the first failed rank and its error.")
+    rank: int | None
+    tail: list[str] = Field(description="The failed rank's last log lines (its traceback).")
+    spec: dict[str, Any] = Field(description="The shrunk spec that was trained.")
 
 
 class SbatchOut(BaseModel):

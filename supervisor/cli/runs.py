@@ -37,16 +37,37 @@ def _print_layout(report: dict[str, Any]) -> None:
 
 
 @app.command()
-def validate(spec: Path, as_json: JsonOption = False) -> None:
+def validate(
+    spec: Path,
+    as_json: JsonOption = False,
+    smoke: Annotated[
+        bool,
+        typer.Option(
+            "--smoke",
+            help="Also train the spec's features at a tiny size on this host (CPU ranks, or "
+            "the local GPUs) for 3 steps with a checkpoint and a resume; exit 1 if it fails.",
+        ),
+    ] = False,
+    smoke_timeout: Annotated[
+        float, typer.Option(min=10, help="Seconds the smoke check may take.")
+    ] = 300.0,
+) -> None:
     """Check a spec locally and print its layout report; exit 1 if it cannot run."""
     from supervisor.layout import layout_report
 
-    report = layout_report(load_spec(spec)).as_dict()
+    run_spec = load_spec(spec)
+    report = layout_report(run_spec).as_dict()
+    if not as_json:
+        _print_layout(report)
+    if smoke and report["ok"]:
+        from supervisor.cli._smoke import smoke_check
+
+        report["smoke"] = smoke_check(run_spec, smoke_timeout, quiet=as_json)
+    elif smoke and not as_json:
+        typer.echo("smoke: skipped, the layout cannot run")
     if as_json:
         typer.echo(json.dumps(report, indent=2))
-    else:
-        _print_layout(report)
-    if not report["ok"]:
+    if not report["ok"] or not report.get("smoke", {"ok": True})["ok"]:
         raise typer.Exit(1)
 
 

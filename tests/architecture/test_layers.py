@@ -21,7 +21,7 @@ OUR_PACKAGES = ("contracts", "worker", "megatron_runs", "supervisor")
 SUPERVISOR_FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"models", "db", "settings", "auth", "metrics", "roots", "layout", "alert_routing"}),
     frozenset({"store", "slurm", "metrics_in", "accounting", "launcher"}),
-    frozenset({"watchdog", "report", "report_plot", "preview", "service", "run_logs"}),
+    frozenset({"watchdog", "report", "report_plot", "preview", "service", "run_logs", "smoke"}),
     frozenset({"api"}),
     frozenset({"cli"}),
 )
