@@ -12,9 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from supervisor.cli._app import app
-from supervisor.cli._common import FINAL_STATES, Api, fail, load_spec
-
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the raw JSON response.")]
+from supervisor.cli._common import FINAL_STATES, Api, JsonOption, echo_json, fail, load_spec
 
 
 def _print_layout(report: dict[str, Any]) -> None:
@@ -43,7 +41,7 @@ def validate(spec: Path, as_json: JsonOption = False) -> None:
 
     report = layout_report(load_spec(spec)).as_dict()
     if as_json:
-        typer.echo(json.dumps(report, indent=2))
+        echo_json(report)
     else:
         _print_layout(report)
     if not report["ok"]:
@@ -144,7 +142,7 @@ def list_runs(
         params["name"] = name
     page = Api().json("GET", "/v1/runs", params=params)
     if as_json:
-        typer.echo(json.dumps(page, indent=2))
+        echo_json(page)
         return
     typer.echo(f"{'RUN':<15} {'STATE':<15} {'NAME':<24} {'STEP':>15} {'ETA':>8} "
                f"{'ATTEMPT':>7}  CREATED")  # fmt: skip
@@ -163,7 +161,7 @@ def status(run: str, as_json: JsonOption = False) -> None:
     """Show one run and its attempts."""
     r = Api().json("GET", f"/v1/runs/{run}")
     if as_json:
-        typer.echo(json.dumps(r, indent=2))
+        echo_json(r)
         return
     for key in (
         "id",
@@ -247,11 +245,11 @@ def events(
     while True:
         page = api.json("GET", f"/v1/runs/{run}/events", params={"after": after, "limit": limit})
         if as_json and not follow:
-            typer.echo(json.dumps(page, indent=2))
+            echo_json(page)
             return
         for e in page["items"]:
             if as_json:
-                typer.echo(json.dumps(e))
+                echo_json(e, lines=True)
                 continue
             attempt = f"[{e['attempt']}] " if e["attempt"] is not None else ""
             data = f"  {json.dumps(e['data'])}" if e["data"] else ""
