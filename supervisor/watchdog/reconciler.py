@@ -193,6 +193,7 @@ class Reconciler:
         return result
 
     def _tick(self, result: TickResult, now: float) -> None:
+        self._node_requests()  # before any submission, which must avoid an excluded node
         world = self.observer.read_db()
         self.telemetry.keep_runs({r.id for r in world.watched})
         for run in world.pending:
@@ -443,6 +444,20 @@ class Reconciler:
             resume_from=disk_step,
         )
         self.actuator.resume(action, ctx)
+
+    def _node_requests(self) -> None:
+        """Carry out operators' pending exclude / restore of nodes, oldest first; one that
+        waits for SLURM is tried again next tick."""
+        with self.db.session() as s:
+            pending = store.pending_node_actions(s)
+        for action in pending:
+            self.lease.keep()
+            try:
+                self.actuator.node_action(action)
+            except Deposed:
+                raise
+            except Exception:  # one bad request must not stop the runs' reconcile
+                log.exception(f"node {action.kind.value} of {action.node} failed")
 
     def _cancel_strays(self) -> None:
         """Cancel the live jobs no run may have (one listing a tick; skipped while SLURM

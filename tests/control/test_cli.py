@@ -384,7 +384,7 @@ def test_events_follow_prints_new_events_until_the_run_ends(
 def test_every_read_command_prints_json_with_the_fields_its_table_shows(
     live_server: Any, tokens: Any, database: Database, app_settings: Any, tmp_path: Path
 ) -> None:
-    """`--json` is the same flag on runs, status, events, logs, report, validate: one
+    """`--json` is the same flag on runs, status, events, logs, report, validate, nodes: one
     JSON document on stdout (with --follow, one per line), and the exit code unchanged."""
     from contracts.paths import attempt_log_dir
     from contracts.spec import RunSpec
@@ -432,6 +432,9 @@ def test_every_read_command_prints_json_with_the_fields_its_table_shows(
     spec = (EXAMPLES / "tiny-cpu.yaml").read_text().replace("tensor: 2", "tensor: 3")
     (tmp_path / "bad.yaml").write_text(spec)
     assert as_json("validate", str(tmp_path / "bad.yaml"), code=1)["ok"] is False
+    (node,) = as_json("nodes")["items"]
+    assert (node["name"], node["health"], node["strikes"], node["excluded"]) == (
+        "n1", "healthy", 0, False)  # fmt: skip
 
     with database.write_session() as s:
         store.transition_run(s, run.id, RunState.CANCELLED, reason="test")
