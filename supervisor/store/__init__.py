@@ -36,10 +36,12 @@ from supervisor.store.errors import (
 from supervisor.store.events import add_event, record_event
 from supervisor.store.leases import acquire_lease, db_now, renew_lease
 from supervisor.store.nodes import (
+    add_nodes,
     finish_node_action,
     fleet_excluded_nodes,
     get_node,
     list_nodes,
+    node_names,
     pending_node_actions,
     request_node_action,
 )
@@ -87,6 +89,7 @@ __all__ = [
     "action_key",
     "active_endpoints",
     "add_event",
+    "add_nodes",
     "add_runs",
     "begin_action",
     "clear_operator_request",
@@ -105,6 +108,7 @@ __all__ = [
     "list_nodes",
     "list_runs",
     "list_tokens",
+    "node_names",
     "open_incident",
     "operator_action_recorded",
     "pending_node_actions",

@@ -1,9 +1,9 @@
 """Nodes as the supervisor knows them, and an operator's exclude / restore of one.
 
-A node is known once Nightwatch has met it: a row in `nodes` (a remedy struck it, or an
-operator acted on it), an attempt that ran there, or a run that excludes it. The API records an
-operator's request as a `node_actions` intent with the node's state as its evidence; the
-reconciler carries it out and finishes it in the transaction that changes the node, so the
+A node is known once Nightwatch has met it: a row in `nodes` (SLURM lists it, a remedy struck
+it, or an operator acted on it), an attempt that ran there, or a run that excludes it. The API
+records an operator's request as a `node_actions` intent with the node's state as its evidence;
+the reconciler carries it out and finishes it in the transaction that changes the node, so the
 request is never lost nor applied twice (`supervisor.watchdog.actions.Actuator.node_action`).
 """
 
@@ -41,6 +41,18 @@ def fleet_excluded_nodes(session: Session) -> set[str]:
     return set(session.scalars(select(Node.name).where(Node.excluded)))
 
 
+def node_names(session: Session) -> set[str]:
+    return set(session.scalars(select(Node.name)))
+
+
+def add_nodes(session: Session, names: Iterable[str]) -> None:
+    """Rows for nodes the cluster lists (healthy, no strike); a known name is left as it is."""
+    known = node_names(session)
+    session.add_all(Node(name=n, health=NodeHealth.HEALTHY, strikes=0) for n in names
+                    if n not in known)  # fmt: skip
+    session.commit()
+
+
 def list_nodes(session: Session) -> list[dict[str, Any]]:
     """Every known node, by name, with its health, strikes, exclusions and indictments."""
     rows = {n.name: n for n in session.scalars(select(Node))}
@@ -65,8 +77,8 @@ def get_node(session: Session, name: str) -> dict[str, Any]:
                 select(NodeAction).where(NodeAction.node == name).order_by(NodeAction.id.desc())
             )
             return {**node, "actions": [node_action_view(a) for a in actions]}
-    raise NotFound(f"node {name} is not known to this supervisor (no job ran there, no run "
-                   "excludes it)")  # fmt: skip
+    raise NotFound(f"node {name} is not known to this supervisor (SLURM does not list it, no "
+                   "job ran there, no run excludes it)")  # fmt: skip
 
 
 def request_node_action(

@@ -133,3 +133,18 @@ def test_a_restore_waits_for_slurm_and_leaves_other_drains_alone(
     with db.session() as s:
         states = [a.state for a in s.query(NodeAction).order_by(NodeAction.id)]
     assert states == [ActionState.DONE, ActionState.DONE]
+
+
+def test_a_node_slurm_lists_can_be_excluded_before_any_job_ran_there(
+    db: Database, tmp_path: Path
+) -> None:
+    cluster, source = FakeCluster(nodes_per_job=("n1", "n3")), FakeSource()
+    rec = make(db, tmp_path, cluster, source)
+    with pytest.raises(NotFound, match="n3 is not known"):
+        _request(db, "n3", NodeActionKind.EXCLUDE)
+    rec.tick()  # the leader lists the cluster's nodes
+    assert (_node(db, "n3")["health"], _node(db, "n3")["strikes"]) == ("healthy", 0)
+    _request(db, "n3", NodeActionKind.EXCLUDE)
+    new_run(db)
+    rec.tick()
+    assert cluster.submitted[-1][1].exclude == ("n3",)
