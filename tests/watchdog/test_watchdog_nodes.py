@@ -13,11 +13,12 @@ from watchdog_fakes import TINY_SPEC, FakeCluster, FakeSource
 
 from supervisor import store
 from supervisor.db import Database
+from supervisor.metrics_in.types import SourceHealth
 from supervisor.models import ActionState, Attempt, Event, NodeAction, NodeActionKind
 from supervisor.slurm import JobState
 from supervisor.store import Conflict, NotFound
 from supervisor.watchdog.actions import ActContext
-from supervisor.watchdog.snapshot import Remedy, RemedyKind
+from supervisor.watchdog.snapshot import JobView, Remedy, RemedyKind
 
 
 def _request(db: Database, node: str, kind: NodeActionKind, reason: str = "ecc") -> dict:
@@ -148,3 +149,20 @@ def test_a_node_slurm_lists_can_be_excluded_before_any_job_ran_there(
     new_run(db)
     rec.tick()
     assert cluster.submitted[-1][1].exclude == ("n3",)
+
+
+def test_the_policy_counts_no_spare_capacity_on_an_excluded_node(
+    db: Database, tmp_path: Path
+) -> None:
+    """A node out of the fleet is no spare: the policy's usable nodes leave it out (so an
+    exclusion that would need it as the replacement escalates), and the run's own exclusion
+    budget is not charged for it."""
+    cluster = FakeCluster(nodes_per_job=("n1", "n2", "n3"))
+    rec, run_id, _ = running(db, tmp_path, cluster, FakeSource())
+    job = JobView(SourceHealth.UP, nodes=("n1", "n2"))
+    assert rec.observer.history(get_run(db, run_id), job, (), 2).usable_nodes == {
+        "n1", "n2", "n3"}  # fmt: skip
+    _request(db, "n3", NodeActionKind.EXCLUDE)
+    rec.tick()
+    history = rec.observer.history(get_run(db, run_id), job, (), 2)
+    assert history.usable_nodes == {"n1", "n2"} and history.excluded_nodes == frozenset()
