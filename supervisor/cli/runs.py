@@ -64,19 +64,25 @@ def submit(
             "(this host's settings); submit nothing.",
         ),
     ] = False,
+    as_json: JsonOption = False,
 ) -> None:
-    """Submit a run; prints its id. With --wait, exit 0 only if it succeeds."""
+    """Submit a run; prints its id (JSON: the run, at the end with --wait; with --dry-run the
+    preview). With --wait, exit 0 only if it succeeds."""
     if dry_run:
-        _print_preview(load_spec(spec))
+        _print_preview(load_spec(spec), as_json)
         return
     body = json.loads(load_spec(spec).model_dump_json())
     api = Api()
     key = idempotency_key or str(uuid.uuid4())
     run = api.json("POST", "/v1/runs", json=body, headers={"Idempotency-Key": key})
-    typer.echo(run["id"])
+    if not as_json:
+        typer.echo(run["id"])
+    elif not wait:
+        echo_json(run)
     if not wait:
         return
-    state, shown, after = run["state"], None, 0
+    now, shown, after = run, None, 0
+    state = now["state"]
     while state not in FINAL_STATES:
         time.sleep(poll_seconds)
         now = api.json("GET", f"/v1/runs/{run['id']}")
@@ -89,6 +95,8 @@ def submit(
         if now["state"] != state or line != shown:
             typer.echo(f"{run['id']}: {now['state']}  {line}".rstrip(), err=True)
         state, shown = now["state"], line
+    if as_json:
+        echo_json(now)
     if state != "succeeded":
         fail(f"run {run['id']} ended {state}")
 
@@ -116,11 +124,14 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def _print_preview(spec: Any) -> None:
+def _print_preview(spec: Any, as_json: bool) -> None:
     from supervisor.preview import sbatch_preview
     from supervisor.settings import Settings
 
     preview = sbatch_preview(spec, Settings.from_env())
+    if as_json:
+        echo_json(preview)
+        return
     typer.echo(f"# sbatch parameters (run id {preview['run_id']} stands in for the real one)")
     for name, value in sorted(preview["parameters"].items()):
         typer.echo(f"#   {name} = {value}")

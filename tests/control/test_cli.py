@@ -47,6 +47,11 @@ def test_submit_dry_run_shows_the_gpu_request_and_submits_nothing() -> None:
     assert "-m submitit.core._submit" in result.stdout
     cpu = invoke("submit", "--dry-run", str(EXAMPLES / "tiny-cpu.yaml"))
     assert cpu.exit_code == 0 and "--gpus-per-node" not in cpu.stdout
+    preview = json.loads(
+        invoke("submit", "--dry-run", "--json", str(EXAMPLES / "gpt-1.3b-4gpu.yaml")).stdout
+    )
+    assert preview["parameters"]["gpus_per_node"] == 4
+    assert "#SBATCH --gpus-per-node=4" in preview["script"].splitlines()
 
 
 def test_validate_reports_the_8b_worked_example() -> None:
@@ -139,6 +144,9 @@ def test_submit_list_status_events_cancel_over_http(
     assert submitted.exit_code == 0, submitted.output
     run_id = submitted.stdout.strip()
     assert invoke("submit", spec, "--idempotency-key", "k-1", env=env).stdout.strip() == run_id
+    replay = invoke("submit", spec, "--idempotency-key", "k-1", "--json", env=env).stdout
+    replay = json.loads(replay)
+    assert (replay["id"], replay["state"], replay["name"]) == (run_id, "pending", "tiny-cpu")
 
     listing = invoke("runs", "--state", "pending", env=env)
     assert run_id in listing.stdout and "tiny-cpu" in listing.stdout
@@ -186,10 +194,12 @@ def test_submit_wait_follows_the_run_to_its_end(
     worker = threading.Thread(target=finish_first_pending_run)
     worker.start()
     result = invoke(
-        "submit", str(EXAMPLES / "tiny-cpu.yaml"), "--wait", "--poll-seconds", "0.1", env=env
-    )
+        "submit", str(EXAMPLES / "tiny-cpu.yaml"), "--wait", "--poll-seconds", "0.1", "--json",
+        env=env,
+    )  # fmt: skip
     worker.join()
     assert result.exit_code == 1
+    assert json.loads(result.stdout)["state"] == "failed"  # --json: the run as it ended
     progress = result.stderr.strip().splitlines()
     assert progress[-1].startswith("error: ") and progress[-1].endswith("ended failed")
     assert any(line.endswith("incident: loss_spike at step 29") for line in progress)
