@@ -144,7 +144,9 @@ def finish_node_action(
         return None
     node = session.get(Node, action.node) or Node(name=action.node, strikes=0)
     session.add(node)
-    note = f"{action.kind.value} by {action.requested_by}: {action.reason}"
+    note = f"{action.kind.value} by {action.requested_by}" + (
+        f": {action.reason}" if action.reason else ""
+    )
     if action.kind is NodeActionKind.EXCLUDE:
         node.excluded, node.excluded_by, node.excluded_at = True, action.requested_by, now
         node.health = NodeHealth.EXCLUDED

@@ -44,8 +44,9 @@ class NodeActionIn(BaseModel):
 
 @router.get("", response_model=NodeList, responses=ERRORS)
 def list_nodes(session: SessionDep, _: ReadToken) -> Any:
-    """Every node Nightwatch has met (a job ran there, a run excludes it, a remedy struck it):
-    health, strikes, exclusions, the incidents that indicted it, a pending request."""
+    """Every node Nightwatch has met (SLURM lists it, a job ran there, a run excludes it, a
+    remedy struck it): health, strikes, exclusions, the incidents that indicted it, a pending
+    request."""
     return {"items": store.list_nodes(session)}
 
 
