@@ -24,6 +24,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -312,6 +313,38 @@ class Node(Base):
     strikes: Mapped[int] = mapped_column(Integer, default=0)
     reason: Mapped[str | None] = mapped_column(Text)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    excluded: Mapped[bool] = mapped_column(
+        Boolean,
+        default=False,
+        server_default=false(),
+        doc="An operator excluded it: every run's next submission avoids it (SLURM --exclude).",
+    )
+    excluded_by: Mapped[str | None] = mapped_column(String(64))
+    excluded_at: Mapped[datetime | None]
+
+
+class NodeActionKind(enum.StrEnum):
+    EXCLUDE = "exclude"
+    RESTORE = "restore"
+
+
+class NodeAction(Base):
+    """An operator's exclude / restore of a node: the API writes it as an intent with its
+    evidence, the reconciler carries it out and records the outcome (docs/api.md, Nodes)."""
+
+    __tablename__ = "node_actions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    key: Mapped[str] = mapped_column(String(255), unique=True)
+    node: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[NodeActionKind] = mapped_column(_enum(NodeActionKind))
+    state: Mapped[ActionState] = mapped_column(_enum(ActionState), index=True)
+    requested_by: Mapped[str] = mapped_column(String(64))
+    reason: Mapped[str] = mapped_column(Text)
+    evidence_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    result_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
 
 
 class Token(Base):

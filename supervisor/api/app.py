@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from supervisor.api import errors
 from supervisor.api.limits import BodyLimit
 from supervisor.api.principals import PrincipalCache
-from supervisor.api.routes import health, logs, operator, report, runs, specs, workers
+from supervisor.api.routes import health, logs, nodes, operator, report, runs, specs, workers
 from supervisor.api.submissions import SubmissionWriter
 from supervisor.db import REQUEST_THREADS, Database
 from supervisor.metrics import SupervisorMetrics
@@ -85,7 +85,7 @@ def create_app(
             _prometheus_loss_history, settings.prometheus_url
         )
     errors.install(app)
-    for module in (runs, logs, operator, specs, workers, health, report):
+    for module in (runs, logs, operator, nodes, specs, workers, health, report):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestObserver)  # outermost: the access log sees every answer

@@ -211,3 +211,54 @@ class LogChunkOut(BaseModel):
     text: str = Field(description="Whole lines, as the task wrote them (stderr merged in).")
     offset: int = Field(description="Pass as `offset` to get what is written after this.")
     done: bool = Field(description="The attempt has ended: nothing more will be written.")
+
+
+class NodeActionOut(BaseModel):
+    id: int
+    kind: str = Field(examples=["exclude"])
+    state: str = Field(description="intent (pending), done or failed.", examples=["done"])
+    requested_by: str = Field(examples=["oncall"])
+    reason: str = Field(examples=["ECC errors in dmesg"])
+    requested_at: datetime
+    finished_at: datetime | None
+    result: dict[str, Any] = Field(
+        description="Restore: `undrained` (Nightwatch's drain lifted in SLURM) and `runs` "
+        "(runs no longer excluding it)."
+    )
+
+
+class NodeIndictment(BaseModel):
+    run_id: str
+    attempt: int | None
+    incident_id: int | None
+    finding: str | None = Field(examples=["nan_grads"])
+    reason: str | None
+    at: datetime
+
+
+class NodeOut(BaseModel):
+    name: str = Field(examples=["gpu017"])
+    health: str = Field(description="healthy, suspect or excluded.", examples=["excluded"])
+    strikes: int = Field(description="Faults the watchdog blamed on it (kept on restore).")
+    reason: str | None = Field(description="Why its health last changed.")
+    since: datetime | None = Field(description="When its health last changed (null: healthy).")
+    excluded: bool = Field(
+        description="An operator excluded it: every run's next submission avoids it."
+    )
+    excluded_by: str | None
+    excluded_at: datetime | None
+    excluded_by_runs: list[str] = Field(
+        description="Runs still going that the watchdog excluded it from."
+    )
+    indicted_by: list[NodeIndictment] = Field(
+        description="The watchdog's exclusions that named it, oldest first."
+    )
+    pending: NodeActionOut | None = Field(description="An operator request not carried out yet.")
+
+
+class NodeDetail(NodeOut):
+    actions: list[NodeActionOut] = Field(description="Operator requests on it, newest first.")
+
+
+class NodeList(BaseModel):
+    items: list[NodeOut]

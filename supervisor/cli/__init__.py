@@ -4,7 +4,7 @@ Each command module registers itself on `app` when imported. To add commands (e.
 `demo`), write `supervisor/cli/<name>.py` and add <name> to the import line below.
 """
 
-from supervisor.cli import alerts, data, demo, logs, report, runs, server  # noqa: F401 (registers)
+from supervisor.cli import alerts, data, demo, logs, nodes, report, runs, server  # noqa: F401
 from supervisor.cli._app import app
 
 __all__ = ["app"]

@@ -14,7 +14,9 @@ app = typer.Typer(
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
 data_app = typer.Typer(help="Training data.", no_args_is_help=True)
+node_app = typer.Typer(help="Operator actions on a node (admin).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+app.add_typer(node_app, name="node")
 app.add_typer(token_app, name="token")
 app.add_typer(data_app, name="data")
 

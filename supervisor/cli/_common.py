@@ -6,9 +6,10 @@ stays fast.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
     from contracts.spec import RunSpec
 
 DEFAULT_URL = "http://127.0.0.1:8787"
+#: Every read command's `--json`: the document the table shows, for scripts (exit codes as is).
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print JSON (machine-readable) instead of the table.")
+]
 #: Run states after which no attempt runs (until an operator resumes one that needs attention).
 FINAL_STATES = frozenset(s.value for s in (*TERMINAL_RUN_STATES, RunState.NEEDS_ATTENTION))
 
@@ -27,6 +32,11 @@ FINAL_STATES = frozenset(s.value for s in (*TERMINAL_RUN_STATES, RunState.NEEDS_
 def fail(message: str, code: int = 1) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def echo_json(document: Any, *, lines: bool = False) -> None:
+    """One indented document, or (`lines`, for --follow) one compact document per line."""
+    typer.echo(json.dumps(document) if lines else json.dumps(document, indent=2))
 
 
 def load_spec(path: Path) -> RunSpec:

@@ -1,4 +1,4 @@
-"""`nightwatch logs RUN [--attempt N] [--node X] [--tail L] [--follow]`."""
+"""`nightwatch logs RUN [--attempt N] [--node X] [--tail L] [--follow] [--json]`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from supervisor.cli._app import app
-from supervisor.cli._common import FINAL_STATES, Api
+from supervisor.cli._common import FINAL_STATES, Api, JsonOption, echo_json
 
 
 @app.command()
@@ -21,10 +21,19 @@ def logs(
         bool, typer.Option("--follow", "-f", help="Keep printing; move on to later attempts")
     ] = False,
     poll_seconds: Annotated[float, typer.Option(min=0.1)] = 1.0,
+    as_json: JsonOption = False,
 ) -> None:
     """Print a node's log of a run's attempt; with --follow, what it writes next, attempt
-    after attempt, until the run ends."""
+    after attempt, until the run ends (JSON: the API's answer, or with --follow one answer
+    per line, each naming its attempt, node and offset)."""
     api = Api()
+
+    def show(chunk: dict[str, Any]) -> None:
+        if as_json:
+            echo_json(chunk, lines=follow)
+        else:
+            typer.echo(chunk["text"], nl=False)
+
     path = f"/v1/runs/{run}/logs"
     params: dict[str, Any] = {"tail": tail}
     if attempt is not None:
@@ -32,7 +41,7 @@ def logs(
     if node is not None:
         params["node"] = node
     chunk = api.json("GET", path, params=params)
-    typer.echo(chunk["text"], nl=False)
+    show(chunk)
     while follow:
         if chunk["done"] and not chunk["text"]:
             state = api.json("GET", f"/v1/runs/{run}")
@@ -40,9 +49,10 @@ def logs(
                 params = {"attempt": state["current_attempt"], "offset": 0}
                 if node is not None:
                     params["node"] = node
-                typer.echo(f"--- attempt {state['current_attempt']} ---")
+                if not as_json:
+                    typer.echo(f"--- attempt {state['current_attempt']} ---")
                 chunk = api.json("GET", path, params=params)
-                typer.echo(chunk["text"], nl=False)
+                show(chunk)
                 continue
             if attempt is not None or state["state"] in FINAL_STATES:
                 return
@@ -51,4 +61,5 @@ def logs(
         if chunk["node"] is not None:
             params["node"] = chunk["node"]
         chunk = api.json("GET", path, params=params)
-        typer.echo(chunk["text"], nl=False)
+        if chunk["text"]:  # JSON: no line for a poll that found nothing new
+            show(chunk)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -10,7 +9,7 @@ from typing import Annotated
 import typer
 
 from supervisor.cli._app import app
-from supervisor.cli._common import Api, fail
+from supervisor.cli._common import Api, JsonOption, echo_json, fail
 
 
 class ReportFormat(StrEnum):
@@ -22,19 +21,21 @@ class ReportFormat(StrEnum):
 def report(
     run_id: Annotated[str, typer.Argument(help="Run id (r-…).")],
     output_format: Annotated[
-        ReportFormat, typer.Option("--format", help="text: one screen; json: everything.")
+        ReportFormat,
+        typer.Option("--format", help="text: one screen; json: everything (as --json)."),
     ] = ReportFormat.text,
     plot: Annotated[
         Path | None,
         typer.Option(help="Also write a PNG: loss over steps, incidents, rollback/skipped data."),
     ] = None,
+    as_json: JsonOption = False,
 ) -> None:
     """What happened to a run: timeline of faults, detections, remedies; downtime; ETTR."""
     from supervisor.report import Report, render_text
 
     body = Api().json("GET", f"/v1/runs/{run_id}/report")
-    if output_format is ReportFormat.json:
-        typer.echo(json.dumps(body, indent=2))
+    if as_json or output_format is ReportFormat.json:
+        echo_json(body)
     else:
         typer.echo(render_text(Report.from_dict(body)), nl=False)
     if plot is not None:

@@ -12,9 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from supervisor.cli._app import app
-from supervisor.cli._common import FINAL_STATES, Api, fail, load_spec
-
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the raw JSON response.")]
+from supervisor.cli._common import FINAL_STATES, Api, JsonOption, echo_json, fail, load_spec
 
 
 def _print_layout(report: dict[str, Any]) -> None:
@@ -66,7 +64,7 @@ def validate(
     elif smoke and not as_json:
         typer.echo("smoke: skipped, the layout cannot run")
     if as_json:
-        typer.echo(json.dumps(report, indent=2))
+        echo_json(report)
     if not report["ok"] or not report.get("smoke", {"ok": True})["ok"]:
         raise typer.Exit(1)
 
@@ -87,19 +85,25 @@ def submit(
             "(this host's settings); submit nothing.",
         ),
     ] = False,
+    as_json: JsonOption = False,
 ) -> None:
-    """Submit a run; prints its id. With --wait, exit 0 only if it succeeds."""
+    """Submit a run; prints its id (JSON: the run, at the end with --wait; with --dry-run the
+    preview). With --wait, exit 0 only if it succeeds."""
     if dry_run:
-        _print_preview(load_spec(spec))
+        _print_preview(load_spec(spec), as_json)
         return
     body = json.loads(load_spec(spec).model_dump_json())
     api = Api()
     key = idempotency_key or str(uuid.uuid4())
     run = api.json("POST", "/v1/runs", json=body, headers={"Idempotency-Key": key})
-    typer.echo(run["id"])
+    if not as_json:
+        typer.echo(run["id"])
+    elif not wait:
+        echo_json(run)
     if not wait:
         return
-    state, shown, after = run["state"], None, 0
+    now, shown, after = run, None, 0
+    state = now["state"]
     while state not in FINAL_STATES:
         time.sleep(poll_seconds)
         now = api.json("GET", f"/v1/runs/{run['id']}")
@@ -112,6 +116,8 @@ def submit(
         if now["state"] != state or line != shown:
             typer.echo(f"{run['id']}: {now['state']}  {line}".rstrip(), err=True)
         state, shown = now["state"], line
+    if as_json:
+        echo_json(now)
     if state != "succeeded":
         fail(f"run {run['id']} ended {state}")
 
@@ -139,11 +145,14 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def _print_preview(spec: Any) -> None:
+def _print_preview(spec: Any, as_json: bool) -> None:
     from supervisor.preview import sbatch_preview
     from supervisor.settings import Settings
 
     preview = sbatch_preview(spec, Settings.from_env())
+    if as_json:
+        echo_json(preview)
+        return
     typer.echo(f"# sbatch parameters (run id {preview['run_id']} stands in for the real one)")
     for name, value in sorted(preview["parameters"].items()):
         typer.echo(f"#   {name} = {value}")
@@ -165,7 +174,7 @@ def list_runs(
         params["name"] = name
     page = Api().json("GET", "/v1/runs", params=params)
     if as_json:
-        typer.echo(json.dumps(page, indent=2))
+        echo_json(page)
         return
     typer.echo(f"{'RUN':<15} {'STATE':<15} {'NAME':<24} {'STEP':>15} {'ETA':>8} "
                f"{'ATTEMPT':>7}  CREATED")  # fmt: skip
@@ -184,7 +193,7 @@ def status(run: str, as_json: JsonOption = False) -> None:
     """Show one run and its attempts."""
     r = Api().json("GET", f"/v1/runs/{run}")
     if as_json:
-        typer.echo(json.dumps(r, indent=2))
+        echo_json(r)
         return
     for key in (
         "id",
@@ -268,11 +277,11 @@ def events(
     while True:
         page = api.json("GET", f"/v1/runs/{run}/events", params={"after": after, "limit": limit})
         if as_json and not follow:
-            typer.echo(json.dumps(page, indent=2))
+            echo_json(page)
             return
         for e in page["items"]:
             if as_json:
-                typer.echo(json.dumps(e))
+                echo_json(e, lines=True)
                 continue
             attempt = f"[{e['attempt']}] " if e["attempt"] is not None else ""
             data = f"  {json.dumps(e['data'])}" if e["data"] else ""

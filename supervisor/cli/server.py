@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from supervisor.cli._app import app, db_app, token_app
-from supervisor.cli._common import fail, local_settings
+from supervisor.cli._common import JsonOption, echo_json, fail, local_settings
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -178,13 +178,20 @@ def token_create(
 
 
 @token_app.command("list")
-def token_list() -> None:
+def token_list(as_json: JsonOption = False) -> None:
     """Every token: id, name, owner, scopes, run, created, revoked (never a secret)."""
     from supervisor import store
 
     db = _upgraded_database()
     with db.session() as session:
         tokens = store.list_tokens(session)
+    if as_json:
+        echo_json([
+            {"id": t.id, "name": t.name, "owner": t.owner, "scopes": list(t.scopes),
+             "run": t.run_id, "created": t.created_at.isoformat(), "revoked": t.revoked}
+            for t in tokens
+        ])  # fmt: skip
+        return
     typer.echo("id\tname\towner\tscopes\trun\tcreated\trevoked")
     for t in tokens:
         typer.echo(

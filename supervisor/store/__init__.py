@@ -5,8 +5,9 @@ the matching event in the same transaction, so the timeline can never disagree w
 State changes are compare-and-set (`UPDATE … WHERE state = expected`), which keeps the API's
 cancel and the reconciler's submit from overwriting each other.
 
-Modules by concern: `runs`, `attempts`, `events`, `actions` (actions, incidents, nodes),
-`tokens`, `endpoints`, `leases`, `errors`; the names below are the package's API.
+Modules by concern: `runs`, `attempts`, `events`, `actions` (actions, incidents, node
+health), `nodes` (the nodes' view, operator exclude / restore), `tokens`, `endpoints`, `leases`,
+`errors`, `operator`; the names below are the package's API.
 """
 
 from supervisor.store.actions import (
@@ -36,6 +37,16 @@ from supervisor.store.errors import (
 )
 from supervisor.store.events import add_event, last_checkpoint_interval, record_event
 from supervisor.store.leases import acquire_lease, db_now, renew_lease
+from supervisor.store.nodes import (
+    add_nodes,
+    finish_node_action,
+    fleet_excluded_nodes,
+    get_node,
+    list_nodes,
+    node_names,
+    pending_node_actions,
+    request_node_action,
+)
 from supervisor.store.operator import (
     clear_operator_request,
     operator_action_recorded,
@@ -80,6 +91,7 @@ __all__ = [
     "action_key",
     "active_endpoints",
     "add_event",
+    "add_nodes",
     "add_runs",
     "begin_action",
     "clear_operator_request",
@@ -89,21 +101,28 @@ __all__ = [
     "create_token",
     "db_now",
     "finish_action",
+    "finish_node_action",
+    "fleet_excluded_nodes",
     "get_attempts",
+    "get_node",
     "get_run",
     "incident_counts",
     "last_checkpoint_interval",
     "list_events",
+    "list_nodes",
     "list_runs",
     "list_tokens",
+    "node_names",
     "open_incident",
     "operator_action_recorded",
+    "pending_node_actions",
     "record_checkpoint",
     "record_event",
     "recorded_incident_keys",
     "register_endpoint",
     "renew_lease",
     "request_cancel",
+    "request_node_action",
     "request_operator_action",
     "revoke_run_tokens",
     "revoke_token",

@@ -1,4 +1,5 @@
-"""The only code that changes the world: submit, cancel, exclude, roll back, escalate.
+"""The only code that changes the world: submit, cancel, exclude, roll back, escalate, and an
+operator's exclude / restore of a node.
 
 Every action is keyed (run, attempt, kind, target) in the actions table. The intent row, with
 its evidence, is written before anything happens and the outcome after, so:
@@ -49,6 +50,8 @@ from supervisor.models import (
     Attempt,
     AttemptState,
     Incident,
+    NodeAction,
+    NodeActionKind,
     NodeHealth,
     Run,
     RunState,
@@ -74,6 +77,10 @@ class ActionKind(enum.StrEnum):
     ESCALATE = RemedyKind.ESCALATE.value
     OBSERVE = RemedyKind.OBSERVE.value
 
+
+#: How a drain by Nightwatch (recovery.drain_excluded_nodes) is told apart in SLURM's reason:
+#: an operator's restore resumes only those.
+DRAIN_REASON_PREFIX = "nightwatch:"
 
 #: Remedies whose `to_step` rolls training back (later checkpoints may hold thrown-away state).
 ROLLS_BACK = frozenset({RemedyKind.ROLLBACK, RemedyKind.EXCLUDE_NODE})
@@ -211,6 +218,8 @@ class Actuator:
         with self.db.session() as s:
             run = store.get_run(s, run_id)
             attempt = _attempt(s, run_id, number)
+            # the run's own exclusions and the nodes an operator took out of the fleet
+            exclude = sorted({*run.excluded_nodes_json, *store.fleet_excluded_nodes(s)})
         spec = RunSpec.model_validate(run.spec_json)
         log_dir = attempt_log_dir(self.config.home, run_id, number)
         if attempt is not None and attempt.job_id:
@@ -229,7 +238,7 @@ class Actuator:
                     executor=self.cluster.kind,
                     resume_step=resume_step,
                     skip_ranges=merge_ranges(run.skip_ranges_json),
-                    exclude=sorted(set(run.excluded_nodes_json)),
+                    exclude=exclude,
                 )
         stop_signal: dict[str, Any] = {}
         if found:
@@ -254,7 +263,7 @@ class Actuator:
                 log_dir=log_dir,
                 resume_step=resume_step,
                 skip_ranges=tuple((int(a), int(b)) for a, b in merge_ranges(run.skip_ranges_json)),
-                exclude=tuple(sorted(set(run.excluded_nodes_json))),
+                exclude=tuple(exclude),
                 supervisor_url=self.config.supervisor_url,
                 worker_token=secret,
                 node_setup=self.config.node_setup,
@@ -468,9 +477,42 @@ class Actuator:
             if spec.recovery.drain_excluded_nodes:
                 try:
                     with self._side_effect():
-                        self.cluster.drain(node, f"nightwatch: {remedy.reason}"[:200])
+                        self.cluster.drain(node, f"{DRAIN_REASON_PREFIX} {remedy.reason}"[:200])
                 except (SourceUnavailable, Unsupported) as exc:
                     log.warning(f"drain {node} failed: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
+
+    def node_action(self, action: NodeAction) -> bool:
+        """Carry out an operator's exclude / restore of a node, whose intent (with evidence)
+        the API recorded; True when it is done. A restore first resumes the node in SLURM if
+        Nightwatch drained it (asked of SLURM each time, so a supervisor killed after the
+        resume does not resume it twice); the node's change and the outcome are one commit."""
+        undrained = False
+        if action.kind is NodeActionKind.RESTORE:
+            try:
+                undrained = self._undrain(action.node)
+            except SourceUnavailable as exc:
+                log.warning(f"restore of {action.node} waits for SLURM: {exc}")
+                return False
+        fence = self.lease.fence if self.lease is not None else None
+        with self.db.write_session() as s:
+            done = store.finish_node_action(
+                s, action.key, self._now(), fence=fence, undrained=undrained
+            )
+        if done is not None:
+            log.info(f"node {action.node}: {action.kind.value} by {action.requested_by}")
+        return True
+
+    def _undrain(self, node: str) -> bool:
+        """Resume `node` in SLURM when Nightwatch drained it; whether it did."""
+        try:
+            info = self.cluster.nodes().get(node)
+        except Unsupported:  # the local executor drains nothing
+            return False
+        if info is None or not info.drained or not info.reason.startswith(DRAIN_REASON_PREFIX):
+            return False
+        with self._side_effect():
+            self.cluster.resume_node(node)
+        return True
 
     def cancel_run(self, run_id: str, attempt: int, job_id: str | None, active: bool) -> bool:
         """A user's cancel request: stop the job, then the run is CANCELLED, and what was in

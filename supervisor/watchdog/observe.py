@@ -249,9 +249,14 @@ class Observer:
             actions = s.scalars(
                 select(Action).where(Action.run_id == run.id).order_by(Action.id)
             ).all()
-            strikes = {n.name: n.strikes for n in s.scalars(select(Node)).all()}
+            nodes = s.scalars(select(Node)).all()
+        strikes = {n.name: n.strikes for n in nodes}
+        fleet_excluded = {n.name for n in nodes if n.excluded}  # an operator's: no spare there
         try:
-            usable: list[str] | None = [n.name for n in self.cluster.nodes().values() if n.usable]
+            usable: list[str] | None = [
+                n.name for n in self.cluster.nodes().values()
+                if n.usable and n.name not in fleet_excluded
+            ]  # fmt: skip
         except SourceUnavailable:
             usable = None
         return history_from_rows(

@@ -52,6 +52,10 @@ from supervisor.watchdog.telemetry import Telemetry
 
 log = logging.getLogger("nightwatch.watchdog")
 
+#: How often the leader lists the cluster's nodes into `nodes`, so that an operator can exclude
+#: a node no job of Nightwatch's has run on yet.
+NODE_LIST_EVERY_S = 60.0
+
 
 def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -146,6 +150,7 @@ class Reconciler:
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._nodes_listed_at = -NODE_LIST_EVERY_S  # monotonic: list them at the first tick
 
     # ------------------------------------------------------------------ loop
 
@@ -193,6 +198,8 @@ class Reconciler:
         return result
 
     def _tick(self, result: TickResult, now: float) -> None:
+        self._node_requests()  # before any submission, which must avoid an excluded node
+        self._list_nodes()
         world = self.observer.read_db()
         self.telemetry.keep_runs({r.id for r in world.watched})
         for run in world.pending:
@@ -457,6 +464,37 @@ class Reconciler:
             resume_from=disk_step,
         )
         self.actuator.resume(action, ctx)
+
+    def _node_requests(self) -> None:
+        """Carry out operators' pending exclude / restore of nodes, oldest first; one that
+        waits for SLURM is tried again next tick."""
+        with self.db.session() as s:
+            pending = store.pending_node_actions(s)
+        for action in pending:
+            self.lease.keep()
+            try:
+                self.actuator.node_action(action)
+            except Deposed:
+                raise
+            except Exception:  # one bad request must not stop the runs' reconcile
+                log.exception(f"node {action.kind.value} of {action.node} failed")
+
+    def _list_nodes(self) -> None:
+        """Record the nodes the cluster has that the database does not know yet (at most
+        every NODE_LIST_EVERY_S; skipped while SLURM does not answer)."""
+        if time.monotonic() - self._nodes_listed_at < NODE_LIST_EVERY_S:
+            return
+        try:
+            names = set(self.cluster.nodes())
+        except SourceUnavailable as exc:
+            log.warning(f"listing nodes failed: {exc}")
+            return
+        self._nodes_listed_at = time.monotonic()
+        with self.db.session() as s:
+            new = names - store.node_names(s)
+        if new:
+            with self.db.write_session() as s:
+                store.add_nodes(s, new)
 
     def _cancel_strays(self) -> None:
         """Cancel the live jobs no run may have (one listing a tick; skipped while SLURM

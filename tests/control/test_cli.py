@@ -47,6 +47,11 @@ def test_submit_dry_run_shows_the_gpu_request_and_submits_nothing() -> None:
     assert "-m submitit.core._submit" in result.stdout
     cpu = invoke("submit", "--dry-run", str(EXAMPLES / "tiny-cpu.yaml"))
     assert cpu.exit_code == 0 and "--gpus-per-node" not in cpu.stdout
+    preview = json.loads(
+        invoke("submit", "--dry-run", "--json", str(EXAMPLES / "gpt-1.3b-4gpu.yaml")).stdout
+    )
+    assert preview["parameters"]["gpus_per_node"] == 4
+    assert "#SBATCH --gpus-per-node=4" in preview["script"].splitlines()
 
 
 def test_validate_reports_the_8b_worked_example() -> None:
@@ -107,6 +112,11 @@ def test_token_list_and_revoke_by_id_or_name(tmp_path: Path) -> None:
         (False, "ops", "ops", "admin", "-", "no"),
     ]
     assert not any(secret in listed.stdout for secret in secrets_)
+    as_json = json.loads(invoke("token", "list", "--json", env=env).stdout)
+    assert [(t["id"] == ci_id, t["name"], t["owner"], t["scopes"], t["run"], t["revoked"])
+            for t in as_json] == [(True, "ci", "vision", ["submit"], None, False),
+                                  (False, "ops", "ops", ["admin"], None, False)]  # fmt: skip
+    assert all(t["created"] for t in as_json)
 
     assert invoke("token", "revoke", ci_id, env=env).stdout.startswith(f"revoked token {ci_id}")
     assert invoke("token", "revoke", "ops", env=env).exit_code == 0
@@ -134,6 +144,9 @@ def test_submit_list_status_events_cancel_over_http(
     assert submitted.exit_code == 0, submitted.output
     run_id = submitted.stdout.strip()
     assert invoke("submit", spec, "--idempotency-key", "k-1", env=env).stdout.strip() == run_id
+    replay = invoke("submit", spec, "--idempotency-key", "k-1", "--json", env=env).stdout
+    replay = json.loads(replay)
+    assert (replay["id"], replay["state"], replay["name"]) == (run_id, "pending", "tiny-cpu")
 
     listing = invoke("runs", "--state", "pending", env=env)
     assert run_id in listing.stdout and "tiny-cpu" in listing.stdout
@@ -181,10 +194,12 @@ def test_submit_wait_follows_the_run_to_its_end(
     worker = threading.Thread(target=finish_first_pending_run)
     worker.start()
     result = invoke(
-        "submit", str(EXAMPLES / "tiny-cpu.yaml"), "--wait", "--poll-seconds", "0.1", env=env
-    )
+        "submit", str(EXAMPLES / "tiny-cpu.yaml"), "--wait", "--poll-seconds", "0.1", "--json",
+        env=env,
+    )  # fmt: skip
     worker.join()
     assert result.exit_code == 1
+    assert json.loads(result.stdout)["state"] == "failed"  # --json: the run as it ended
     progress = result.stderr.strip().splitlines()
     assert progress[-1].startswith("error: ") and progress[-1].endswith("ended failed")
     assert any(line.endswith("incident: loss_spike at step 29") for line in progress)
@@ -378,3 +393,65 @@ def test_events_follow_prints_new_events_until_the_run_ends(
     lines = result.stdout.splitlines()
     assert any("hang on n2" in line for line in lines)
     assert "cancelled" in lines[-1]
+
+
+def test_every_read_command_prints_json_with_the_fields_its_table_shows(
+    live_server: Any, tokens: Any, database: Database, app_settings: Any, tmp_path: Path
+) -> None:
+    """`--json` is the same flag on runs, status, events, logs, report, validate, nodes: one
+    JSON document on stdout (with --follow, one per line), and the exit code unchanged."""
+    from contracts.paths import attempt_log_dir
+    from contracts.spec import RunSpec
+
+    with database.write_session() as s:
+        run, _ = store.create_run(s, RunSpec.from_file(EXAMPLES / "tiny-cpu.yaml"))
+        store.create_attempt(s, run.id, executor="slurm", job_id="4242")
+        store.update_attempt(s, run.id, 1, nodes_json=["n1"])
+        store.transition_run(s, run.id, RunState.SUBMITTED)
+        store.add_event(s, run.id, EventKind.INCIDENT, "hang on n1")
+        store.set_progress(s, {run.id: {
+            "step": 30, "target_steps": run.target_steps, "loss": 3.25, "grad_norm": None,
+            "tokens_per_second": None, "step_seconds": 0.5, "eta_seconds": 15.0,
+            "checkpoint_step": None, "ettr": None, "observed_at": 1.0}})  # fmt: skip
+    log = attempt_log_dir(app_settings.home, run.id, 1) / "4242" / "4242_0_log.out"
+    log.parent.mkdir(parents=True)
+    log.write_text("line 1\nline 2\n")
+    env = {"NIGHTWATCH_URL": live_server.url, "NIGHTWATCH_TOKEN": tokens.read}
+
+    def as_json(*args: str, code: int = 0) -> Any:
+        result = invoke(*args, "--json", env=env)
+        assert result.exit_code == code, result.output
+        return json.loads(result.stdout)
+
+    (row,) = as_json("runs")["items"]
+    assert {k: row[k] for k in ("id", "state", "name", "current_attempt")} == {
+        "id": run.id, "state": "submitted", "name": "tiny-cpu", "current_attempt": 1}  # fmt: skip
+    assert (row["progress"]["step"], row["progress"]["eta_seconds"], row["target_steps"]) == (
+        30, 15.0, run.target_steps)  # fmt: skip
+    assert row["created_at"]
+    detail = as_json("status", run.id)
+    assert {"state_reason", "cancel_requested", "skip_ranges", "excluded_nodes"} <= detail.keys()
+    assert [(a["number"], a["job_id"], a["nodes"]) for a in detail["attempts"]] == [
+        (1, "4242", ["n1"])]  # fmt: skip
+    events = as_json("events", run.id)["items"]
+    assert {"ts", "kind", "attempt", "message", "data"} <= events[-1].keys()
+    assert events[-1]["message"] == "hang on n1"
+    chunk = as_json("logs", run.id)
+    assert (chunk["text"], chunk["attempt"], chunk["node"]) == ("line 1\nline 2\n", 1, "n1")
+    report = as_json("report", run.id)
+    assert (report["run_id"], report["state"], report["target_steps"]) == (
+        run.id, "submitted", run.target_steps)  # fmt: skip
+    assert {"timeline", "incidents", "ettr", "downtime_s", "steps_lost"} <= report.keys()
+    assert as_json("validate", str(EXAMPLES / "tiny-cpu.yaml"))["ok"] is True
+    spec = (EXAMPLES / "tiny-cpu.yaml").read_text().replace("tensor: 2", "tensor: 3")
+    (tmp_path / "bad.yaml").write_text(spec)
+    assert as_json("validate", str(tmp_path / "bad.yaml"), code=1)["ok"] is False
+    (node,) = as_json("nodes")["items"]
+    assert (node["name"], node["health"], node["strikes"], node["excluded"]) == (
+        "n1", "healthy", 0, False)  # fmt: skip
+
+    with database.write_session() as s:
+        store.transition_run(s, run.id, RunState.CANCELLED, reason="test")
+    follow = invoke("events", run.id, "--follow", "--json", env=env)
+    lines = [json.loads(line) for line in follow.stdout.splitlines()]
+    assert follow.exit_code == 0 and lines[-1]["data"]["to"] == "cancelled"

@@ -54,6 +54,8 @@ class FakeCluster:
     submitted: list[tuple[str, JobRequest]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)
+    drain_reasons: dict[str, str] = field(default_factory=dict)
+    resumed: list[str] = field(default_factory=list)
     poll_calls: int = 0
     down: bool = False
     crash_after_submit: bool = False
@@ -111,12 +113,23 @@ class FakeCluster:
 
     def drain(self, node: str, reason: str) -> None:
         self.drained.append(node)
+        self.drain_reasons[node] = reason
 
     def resume_node(self, node: str) -> None:
-        raise NotImplementedError
+        if self.down:
+            raise SourceUnavailable("scontrol failed")
+        self.resumed.append(node)
+        self.drain_reasons.pop(node, None)
 
     def nodes(self) -> dict[str, NodeInfo]:
-        return {n: NodeInfo(n, NodeState.IDLE) for n in self.nodes_per_job}
+        if self.down:
+            raise SourceUnavailable("sinfo failed")
+        return {
+            n: NodeInfo(n, NodeState.DRAINED, self.drain_reasons[n])
+            if n in self.drain_reasons
+            else NodeInfo(n, NodeState.IDLE)
+            for n in self.nodes_per_job
+        }
 
     def log_files(self, job_id: str, log_dir: Path | None = None) -> list[Path]:
         return []
