@@ -140,6 +140,8 @@ def _budget_check(
 ) -> Remedy | None:
     """Restart storm and no-progress cycles stop the ladder before it loops."""
     restarts = _storm_restarts(history, rc, now, step)
+    if rc.max_restarts == 0:
+        return _escalate(f"{finding.summary} (recovery.max_restarts is 0: no restart)", finding)
     if len(restarts) >= rc.max_restarts:
         return _escalate(
             f"restart storm: {len(restarts)} restarts in {rc.restart_window_minutes} min",
