@@ -3,14 +3,20 @@ forked writer.
 
 Megatron-Core 0.19.2's async save copies every tensor a rank writes to host memory and
 synchronizes the device before it forks the writer, so the loop stalls for the whole copy:
-the 17 GiB state of a 1.3B model at DP 1 goes over PCIe once per save. Here the copy goes into
-pinned host buffers kept between saves (`HostBuffers`), on a side stream that first waits for
-the work queued so far, and training goes on meanwhile. The only writes to what a save reads
-are the optimizer's update (main params, Adam moments, then the model's params copied from
-them): a step pre-hook on each inner torch optimizer makes the device wait for the copy
-before that update, and the host does not block. The first poll after the copy finished forks
-the writer from the host copy. Megatron-LM's persistent async worker does the same copy in
-its worker process but holds the trainer until it is done (`preload_q.join()`).
+the 17 GiB state of a 1.3B model at DP 1 goes over PCIe once per save (0.35 s at 51 GiB/s on an
+H200). Here the copy goes into pinned host buffers kept between saves (`HostBuffers`), on a
+side stream that first waits for the work queued so far, and training goes on meanwhile. The
+only writes to what a save reads are the optimizer's update (main params, Adam moments, then
+the model's params copied from them): a step pre-hook on each inner torch optimizer makes the
+device wait for the copy before that update, and the host does not block. The first poll after
+the copy finished forks the writer from the host copy. Megatron-LM's persistent async worker
+does the same copy in its worker process but holds the trainer until it is done
+(`preload_q.join()`).
+
+A process's first save pins the buffers before the copy, and the loop waits for that (11–13 s
+for 17 GiB on the H200 machine, as megatron's first save). Pinning them on a thread instead,
+from a clone on the device, took the stall to 0.6 s but made the steps meanwhile 8.6 s slower
+in all (the pinning holds up the training thread), for 17 GiB more device memory: not kept.
 
 With `overlap_param_gather` (DP > 1) the next forward pass may all-gather the parameters again
 while the copy reads them: the gather writes the bytes they already hold (no update came in
@@ -26,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -49,13 +54,9 @@ class HostBuffers:
         self.pin = pin
         self._tensors: list[torch.Tensor] = []
 
-    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether buffers for `tensors` are there already."""
-        return _layout(self._tensors) == _layout(tensors)
-
     def like(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One buffer per tensor, in order; allocated anew only if the layout changed."""
-        if not self.holds(tensors):
+        if _layout(self._tensors) != _layout(tensors):
             self._tensors = []  # free the old buffers before pinning new ones
             self._tensors = [
                 torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin) for t in tensors
@@ -67,80 +68,33 @@ def _layout(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Size, torch.dty
     return [(t.shape, t.dtype) for t in tensors]
 
 
-#: Device memory a clone must leave free (the next steps' allocations beyond what torch's
-#: allocator holds already).
-HEADROOM = 2 << 30
-
-
-def has_room(free: int, needed: int) -> bool:
-    """Whether a clone of `needed` bytes fits in the `free` device memory, with `HEADROOM`."""
-    return free >= needed + HEADROOM
-
-
 class Staging:
-    """The device tensors of a save on their way to host buffers.
-
-    With the buffers pinned (every save of a process but its first), the copy reads the
-    tensors themselves on a side stream and the optimizer's update waits for it (`guard`).
-    Without them, if the device has room, the tensors are cloned on the device first (in
-    stream order before any update, so nothing waits; milliseconds), the buffers are pinned on
-    a thread while training goes on, and the copy from the clones starts at the first poll
-    after. Without room, the buffers are pinned here and the loop waits for that.
-    """
+    """The device tensors of a save on their way to host buffers, on a side stream; the
+    optimizer's update waits for the copy on the device (`done`). A process's first save pins
+    the buffers first, and the loop waits for that (11–13 s for 17 GiB on the H200 machine)."""
 
     def __init__(self, buckets: list[Bucket], buffers: HostBuffers, stream: object) -> None:
-        self._buckets = buckets
-        self._buffers = buffers
-        self._stream = stream
         # what the copy reads, kept until it is done
         self._sources = [t for _, _, (_, tensors) in buckets for _, t in tensors if t.is_cuda]
+        hosts = buffers.like(self._sources)
         self._started = torch.cuda.Event(enable_timing=True)
         self.done = torch.cuda.Event(enable_timing=True)
-        self.guard: torch.cuda.Event | None = None
-        self.buckets: list[Bucket] = []
-        self._pinning: threading.Thread | None = None
-        needed = sum(t.numel() * t.element_size() for t in self._sources)
-        if buffers.holds(self._sources) or not has_room(torch.cuda.mem_get_info()[0], needed):
-            self._copy()
-            self.guard = self.done
-            return
-        self._sources = [t.clone() for t in self._sources]
-        self._pinning = threading.Thread(
-            target=_pin, args=(buffers, self._sources, torch.cuda.current_device()),
-            name="nightwatch-pin", daemon=True,
-        )  # fmt: skip
-        self._pinning.start()
-
-    def _copy(self) -> None:
-        hosts = self._buffers.like(self._sources)
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             self._started.record()
             for host, tensor in zip(hosts, self._sources, strict=True):
                 host.copy_(tensor, non_blocking=True)
             self.done.record()
         staged = iter(hosts)
-        self.buckets = [
+        self.buckets: list[Bucket] = [
             (path, key, (items, [(i, next(staged) if t.is_cuda else t) for i, t in tensors]))
-            for path, key, (items, tensors) in self._buckets
+            for path, key, (items, tensors) in buckets
         ]
 
-    def _pinned(self) -> bool:
-        """Start the copy once the buffers are pinned; whether it has started."""
-        if self._pinning is not None:
-            if self._pinning.is_alive():
-                return False
-            self._pinning = None
-            self._copy()
-        return True
-
     def finished(self) -> bool:
-        return self._pinned() and self.done.query()
+        return self.done.query()
 
     def wait(self) -> None:
-        if self._pinning is not None:
-            self._pinning.join()
-        self._pinned()
         self.done.synchronize()
 
     def seconds(self) -> float:
@@ -149,13 +103,6 @@ class Staging:
 
     def release(self) -> None:
         self._sources = []
-        self._buckets = []
-
-
-def _pin(buffers: HostBuffers, like: list[torch.Tensor], device: int) -> None:
-    """The pinning thread: on this rank's device, so that no other device's context is used."""
-    torch.cuda.set_device(device)
-    buffers.like(like)
 
 
 def wait_before_updates(optimizers: Sequence[torch.optim.Optimizer], done: object) -> list:

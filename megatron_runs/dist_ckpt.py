@@ -268,8 +268,7 @@ class Writer:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
             staging = async_save.Staging(args[1], self._host, self._stream)
-            if staging.guard is not None:
-                hooks = async_save.wait_before_updates(_inner_optimizers(optimizer), staging.guard)
+            hooks = async_save.wait_before_updates(_inner_optimizers(optimizer), staging.done)
         phases.mark("stage")
 
         def finalize() -> Path:

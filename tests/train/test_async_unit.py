@@ -1,5 +1,5 @@
-"""`async_save` on one CPU process: host buffers reused between saves, the device-room rule,
-and a save published only after its forked writer finished (one gloo rank)."""
+"""`async_save` on one CPU process: host buffers reused between saves, and a save published
+only after its forked writer finished (one gloo rank)."""
 
 from __future__ import annotations
 
@@ -16,21 +16,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_host_buffers_are_reused_while_the_layout_holds() -> None:
     buffers = async_save.HostBuffers(pin=False)
-    state = [torch.ones(3, 4), torch.zeros(5, dtype=torch.bfloat16)]
-    assert not buffers.holds(state)
-    first = buffers.like(state)
-    assert [(t.shape, t.dtype) for t in first] == [(t.shape, t.dtype) for t in state]
-    assert buffers.holds([torch.empty(3, 4), torch.empty(5, dtype=torch.bfloat16)])
+    first = buffers.like([torch.ones(3, 4), torch.zeros(5, dtype=torch.bfloat16)])
+    assert [(t.shape, t.dtype) for t in first] == [((3, 4), torch.float32), ((5,), torch.bfloat16)]
     again = buffers.like([torch.empty(3, 4), torch.empty(5, dtype=torch.bfloat16)])
     assert all(a is b for a, b in zip(first, again, strict=True))
     changed = buffers.like([torch.empty(3, 4), torch.empty(5)])  # a dtype changed
     assert changed[0] is not first[0] and changed[1].dtype == torch.float32
-
-
-def test_a_clone_must_leave_headroom() -> None:
-    needed = 17 << 30
-    assert async_save.has_room(needed + async_save.HEADROOM, needed)
-    assert not async_save.has_room(needed + async_save.HEADROOM - 1, needed)
 
 
 SCRIPT = r"""
