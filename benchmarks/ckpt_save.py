@@ -9,11 +9,20 @@ of `--formats` (`dist_ckpt.FORMATS`; rows named `path:format`):
   the closing all-reduce);
 * `plain`: the sharded state dict of the first format through `dist_checkpointing.save` with
   its default strategy into a fresh directory (no metadata, no publish);
-* `async`: `Writer.start` (the loop's stall until it trains on), then optimizer steps while
-  the writer runs, each polling the save, until it is durable and published: `stall_s` is
-  the time the loop was blocked (start + the poll that published), `durable_s` the time
-  from the start until published;
-* `load`: `dist_ckpt.load` of the checkpoint the async save just published.
+* `async`: `Writer.start`, then training steps while the save runs, each polling it, until
+  it is durable and published. A step is `--compute-ms` of matrix products (a stand-in for
+  forward and backward) and a real optimizer update, and ends with a device sync as the
+  loop's loss readout does, so no step's device work is counted as a poll's. `stall_s`: the
+  time the loop was blocked in the save's calls (start + every poll); `slowdown_s`: how much
+  longer the steps meanwhile took than the median step before the save (a copy or a writer
+  competing with training); `durable_s`: from the start until published; `copy_s`: the
+  device time of the copy to host memory, where the code reports it;
+* `load`: `dist_ckpt.load` of the checkpoint the async save just published; `exact:<format>`
+  whether every parameter and optimizer tensor loaded equals the state at the save's start
+  (the steps meanwhile changed them, so a copy that read an updated tensor shows here);
+* `d2h` (`--d2h`): this rank's state tensors copied to host memory alone: megatron's way
+  (`.to("cpu", non_blocking=True)` each, then one sync), into pinned buffers allocated
+  before, and into pageable memory.
 
 Runs on CPU (gloo, fp32) and on GPU (NCCL, bf16). It starts its own ranks
 (megatron_runs.launch_local) unless it runs under torchrun:
@@ -54,6 +63,14 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["fully_sharded_model_space", "fully_reshardable"],
         help="optimizer formats to save in (dist_ckpt.FORMATS), each measured every repeat",
     )
+    ap.add_argument(
+        "--paths",
+        nargs="+",
+        default=["plain", "nightwatch", "async"],
+        help="which saves to measure (async is followed by its load)",
+    )
+    ap.add_argument("--compute-ms", type=float, default=0.0, help="stand-in fwd/bwd per step")
+    ap.add_argument("--d2h", action="store_true", help="time the copy to host memory alone")
     ap.add_argument("--out", type=Path, help="results JSON")
     ap.add_argument(
         "--work",
@@ -75,7 +92,8 @@ def main() -> None:
     result = args.work / "result.json"
     argv = [
         "--size", args.size, "--repeats", str(args.repeats), "--work", str(args.work),
-        "--out", str(result), "--formats", *args.formats,
+        "--out", str(result), "--formats", *args.formats, "--paths", *args.paths,
+        "--compute-ms", str(args.compute_ms), *(["--d2h"] if args.d2h else []),
     ]  # fmt: skip
     run = launch(argv, args.nproc, args.work / "logs", entry=(str(Path(__file__).resolve()),))
     codes = run.wait(3600)
@@ -92,26 +110,29 @@ def main() -> None:
 def _table(data: dict) -> str:
     """Median seconds per repeat, one row per measured path and phase."""
     rows = [f"{data['size']} on {data['world']} × {data['device']}, {data['gib']:.2f} GiB state"]
+    if data.get("d2h"):
+        rows.append(f"copy to host alone: {json.dumps(data['d2h'])}")
 
     def median(values: list[float]) -> str:
         return f"{statistics.median(values):8.3f}" if values else "       -"
 
     for path, runs in data["repeats"].items():
-        if path.startswith("load"):
-            rows.append(f"{path:<40}{median(runs)}")
+        if path.startswith(("load", "exact")) or not runs or not isinstance(runs[0], dict):
+            rows.append(f"{path:<40}{runs}")
             continue
         rows.append(f"{path:<40}{median([r['total_s'] for r in runs])}")
         for phase in runs[0]["phases"] if runs else []:
             rows.append(f"  {phase:<38}{median([r['phases'][phase] for r in runs])}")
-        for key in ("stall_s", "durable_s"):
-            if runs and key in runs[0]:
+        for key in ("stall_s", "slowdown_s", "copy_s", "durable_s", "max_poll_s"):
+            if runs and runs[0].get(key) is not None:
                 rows.append(f"  {key:<38}{median([r[key] for r in runs])}")
     return "\n".join(rows)
 
 
 def _rank_main(args: argparse.Namespace) -> None:
     from megatron_runs import loop, setup
-    from megatron_runs.optimizer import build_optimizer
+    from megatron_runs.cpu_compat import collective_device
+    from megatron_runs.optimizer import build_optimizer, fuse_adam
 
     torch = setup.torch
     from megatron.core import dist_checkpointing, tensor_parallel
@@ -135,13 +156,19 @@ def _rank_main(args: argparse.Namespace) -> None:
     model, _ = setup.build_model(spec, bf16)
     optimizer = build_optimizer(spec, model, bf16)
 
+    compute = _compute(torch, args.compute_ms)
+
     def train_step() -> None:
-        """A stand-in step: random gradients, a real optimizer update of every parameter."""
+        """A stand-in step: `--compute-ms` of matrix products, random gradients, a real
+        optimizer update of every parameter, a device sync (the loop's loss readout)."""
+        compute()
         for chunk in model:
             for buf in chunk.buffers:
                 buf.grad_data.normal_(0, 1e-3)
         optimizer.step()
         loop.finish_param_gather(model)
+        if not setup.CPU:
+            torch.cuda.synchronize()
 
     for _ in range(2):
         train_step()
@@ -150,10 +177,11 @@ def _rank_main(args: argparse.Namespace) -> None:
     work = args.work
     plain_dir = work / "plain"
     writers = {fmt: dist_ckpt.Writer(fmt) for fmt in args.formats}
-    results: dict = {"plain": []}
+    results: dict = {"plain": []} if "plain" in args.paths else {}
     for fmt in args.formats:
-        for path in ("nightwatch", "async", "load"):
-            results[f"{path}:{fmt}"] = []
+        for path in ("nightwatch", "async", "load", "exact"):
+            if path in args.paths or ("async" in args.paths and path in ("load", "exact")):
+                results[f"{path}:{fmt}"] = []
 
     def barrier_time() -> float:
         torch.distributed.barrier()
@@ -186,41 +214,67 @@ def _rank_main(args: argparse.Namespace) -> None:
             shutil.rmtree(plain_dir, ignore_errors=True)  # room on disk for the next save
         return {"total_s": t2 - t0, "phases": {"state_dict": t1 - t0, "save": t2 - t1}}
 
-    def async_save(step: int, fmt: str) -> dict:
+    def timed_step() -> float:
+        t0 = time.perf_counter()
+        train_step()
+        return time.perf_counter() - t0
+
+    def async_save(step: int, fmt: str) -> tuple[dict, list]:
+        before = statistics.median(timed_step() for _ in range(5))
+        snapshot = [t.detach().clone() for t in _state_tensors(model, optimizer)]
         phases = dist_ckpt.Phases()
         t0 = barrier_time()
         phases.mark("start")
         target = dist_ckpt.Target(work / fmt, step, step * world, 1.0, layout, keep_last=1)
         pending = writers[fmt].start(model, optimizer, target, phases)
-        stall = time.perf_counter() - t0
-        steps = 0
+        started = time.perf_counter() - t0
+        polls, slowdown = [], 0.0
         while True:
-            train_step()
-            steps += 1
+            slowdown += timed_step() - before
             polled = time.perf_counter()
             done = pending.poll()
-            stall += time.perf_counter() - polled
+            polls.append(time.perf_counter() - polled)
             if done is not None:
                 break
         durable = time.perf_counter() - t0
         phases.seconds.pop("start")
+        stall = started + sum(polls)
         return {
-            "total_s": durable, "stall_s": stall, "durable_s": durable, "steps_meanwhile": steps,
-            "phases": phases.seconds,
-        }  # fmt: skip
+            "total_s": durable, "stall_s": stall, "start_s": started, "slowdown_s": slowdown,
+            "durable_s": durable, "max_poll_s": max(polls), "publish_poll_s": polls[-1],
+            "steps_meanwhile": len(polls), "step_before_s": before,
+            "copy_s": getattr(pending, "copy_seconds", None), "phases": phases.seconds,
+        }, snapshot  # fmt: skip
+
+    def exact(snapshot: list) -> bool:
+        """Every state tensor equal to the snapshot, on every rank."""
+        now = _state_tensors(model, optimizer)
+        same = all(torch.equal(a, b) for a, b in zip(snapshot, now, strict=True))
+        flag = torch.tensor([int(same)], device=collective_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     step = 2
+    d2h = _d2h(torch, _state_tensors(model, optimizer)) if args.d2h and not setup.CPU else None
     for i in range(args.repeats):
-        results["plain"].append(plain())
+        if "plain" in args.paths:
+            results["plain"].append(plain())
         formats = args.formats if i % 2 == 0 else args.formats[::-1]
         for fmt in formats:
+            if "nightwatch" in args.paths:
+                step += 1
+                results[f"nightwatch:{fmt}"].append(nightwatch(step, fmt))
+            if "async" not in args.paths:
+                continue
             step += 1
-            results[f"nightwatch:{fmt}"].append(nightwatch(step, fmt))
-            step += 1
-            results[f"async:{fmt}"].append(async_save(step, fmt))
+            measured, snapshot = async_save(step, fmt)
+            results[f"async:{fmt}"].append(measured)
             t0 = barrier_time()
             dist_ckpt.load(model, optimizer, ck.newest_complete(work / fmt))
             results[f"load:{fmt}"].append(barrier_time() - t0)
+            results[f"exact:{fmt}"].append(exact(snapshot))
+            del snapshot
+            fuse_adam(optimizer)
         if rank == 0:
             print(json.dumps({"repeat": i, **{k: v[-1] for k, v in results.items()}}), flush=True)
     if rank == 0:
@@ -231,6 +285,8 @@ def _rank_main(args: argparse.Namespace) -> None:
             "torch": torch.__version__,
             "gib": nbytes / 2**30,
             "formats": args.formats,
+            "compute_ms": args.compute_ms,
+            "d2h": d2h,
             "repeats": results,
         }
         args.out.write_text(json.dumps(data, indent=1))
@@ -238,6 +294,70 @@ def _rank_main(args: argparse.Namespace) -> None:
     torch.distributed.barrier()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _state_tensors(model: list, optimizer: object) -> list:
+    """This rank's parameters and optimizer state (main params, Adam moments): what a save
+    reads and an optimizer update changes."""
+
+    out = [p for c in model for p in c.parameters()]
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            for p in group["params"]:
+                state = inner.state.get(p, {})
+                out += [p] + [state[k] for k in sorted(state) if k != "step"]
+    return out
+
+
+def _compute(torch: object, ms: float) -> object:
+    """A stand-in for forward and backward: about `ms` of bf16 matrix products on the GPU."""
+    if ms <= 0 or not torch.cuda.is_available():
+        return lambda: None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ a  # the first product also sets cuBLAS up: not timed
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    n = max(1, round(ms / ((time.perf_counter() - t0) * 100)))
+
+    def run() -> None:
+        for _ in range(n):
+            a @ a
+
+    return run
+
+
+def _d2h(torch: object, tensors: list) -> dict:
+    """Seconds to copy `tensors` to host memory, three ways (the second try of each)."""
+    gib = sum(t.numel() * t.element_size() for t in tensors) / 2**30
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+
+    def timed(copy: object) -> float:
+        out = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+        return out[-1]
+
+    def megatron() -> None:
+        [t.to("cpu", non_blocking=True) for t in tensors]
+
+    def preallocated() -> None:
+        for host, t in zip(pinned, tensors, strict=True):
+            host.copy_(t, non_blocking=True)
+
+    def pageable() -> None:
+        [t.to("cpu") for t in tensors]
+
+    seconds = {"megatron_s": timed(megatron), "pinned_preallocated_s": timed(preallocated)}
+    seconds["pageable_s"] = timed(pageable)
+    return {"gib": gib, **seconds, **{k[:-2] + "_gib_per_s": gib / v for k, v in seconds.items()}}
 
 
 def _state_bytes(model: list, optimizer: object) -> int:

@@ -10,18 +10,14 @@ a checkpoint that names none is `fully_reshardable` (what Nightwatch wrote befor
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import os
 import pickle
 import queue
 import shutil
-import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,14 +25,13 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from contracts import checkpoints as ck
-from megatron_runs import model_space
+from megatron_runs import async_save, model_space
 from megatron_runs.cpu_compat import collective_device
 
 logger = logging.getLogger(__name__)
@@ -218,9 +213,10 @@ class Writer:
 
     A save writes to `.tmp_iter_*`, makes it durable, writes `nightwatch.json`, renames it into
     place, replaces `latest` and applies retention; nothing looks complete before all of that.
-    `save` does it at once; `start` hands the writing to megatron-core's asynchronous save (a
-    forked writer process per rank, from a host copy of the state) and the returned
-    `PendingSave` publishes once every rank's writer finished.
+    `save` does it at once; `start` plans megatron-core's asynchronous save and starts the copy
+    of the state to host memory beside training; a writer process per rank, forked once the
+    copy is done, writes it, and the returned `async_save.PendingSave` publishes once every
+    rank's writer finished.
 
     Each data-parallel replica writes 1/DP of the replicated tensors (megatron's
     FullyParallelSaveStrategyWrapper, Megatron-LM's default): with megatron's default strategy
@@ -236,6 +232,8 @@ class Writer:
             raise ValueError(f"optimizer format {optimizer_format!r} is none of {FORMATS}")
         self.optimizer_format = optimizer_format
         self._strategy: FullyParallelSaveStrategyWrapper | None = None
+        self._host = async_save.HostBuffers(pin=torch.cuda.is_available())
+        self._stream: torch.cuda.Stream | None = None
 
     def save(
         self, model: list, optimizer: object, target: Target, phases: Phases | None = None
@@ -252,8 +250,9 @@ class Writer:
 
     def start(
         self, model: list, optimizer: object, target: Target, phases: Phases | None = None
-    ) -> PendingSave:
-        """Copy the state to host memory and fork this rank's writer; returns at once after."""
+    ) -> async_save.PendingSave:
+        """Plan the save and start copying the state to host memory; returns at once after
+        (`async_save`: the writer is forked once the copy is done)."""
         phases = phases if phases is not None else Phases()
         state, strategy, validate = self._prepare(model, optimizer, target, phases)
         request = dist_checkpointing.save(
@@ -262,15 +261,26 @@ class Writer:
             async_sharded_save=True, async_strategy="mcore",
         )  # fmt: skip
         phases.mark("plan")
-        if request.async_fn is not None:
-            parent = os.getpid()
-            request = request._replace(
-                async_fn=functools.partial(_writer, parent, request.async_fn)
-            )
-        calls = AsyncCallsQueue()
-        calls.schedule_async_request(request)
-        phases.mark("copy_and_fork")
-        return PendingSave(calls, target, phases)
+        args = list(request.async_fn_args)
+        staging, hooks = None, []
+        if request.async_fn is not None and any(
+            t.is_cuda for _, _, (_, tensors) in args[1] for _, t in tensors
+        ):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            staging = async_save.Staging(args[1], self._host, self._stream)
+            hooks = async_save.wait_before_updates(_inner_optimizers(optimizer), staging.done)
+        phases.mark("stage")
+
+        def finalize() -> Path:
+            for fn in request.finalize_fns:
+                fn()
+            phases.mark("finalize")
+            return _publish(target, phases)
+
+        return async_save.PendingSave(
+            target.step, request.async_fn, args, staging, hooks, finalize, phases
+        )
 
     def _prepare(
         self, model: list, optimizer: object, target: Target, phases: Phases
@@ -295,47 +305,6 @@ class Writer:
     def _content(self) -> dict:
         """What the checkpoint records of its format, for the load to read."""
         return {_FORMAT_KEY: self.optimizer_format}
-
-
-class PendingSave:
-    """An asynchronous save on its way: written in the background, published by `poll` or
-    `wait` on every rank at the same step (both are collective)."""
-
-    def __init__(self, calls: AsyncCallsQueue, target: Target, phases: Phases) -> None:
-        self._calls = calls
-        self.target = target
-        self.phases = phases
-
-    @property
-    def step(self) -> int:
-        return self.target.step
-
-    def poll(self) -> Path | None:
-        """Publish if every rank's writer finished (one all-reduce); None while any writes."""
-        if not self._calls.maybe_finalize_async_calls(blocking=False):
-            return None
-        self.phases.mark("write")
-        return _publish(self.target, self.phases)
-
-    def wait(self) -> Path:
-        """Wait for every rank's writer, then publish."""
-        self._calls.maybe_finalize_async_calls(blocking=True)
-        self.phases.mark("write")
-        return _publish(self.target, self.phases)
-
-
-def _writer(parent: int, write: Callable[..., None], *args: object, **kwargs: object) -> None:
-    """The forked writer of an async save: it dies with its rank (PR_SET_PDEATHSIG), so a rank
-    killed mid-save leaves no process behind that could still write into a later attempt's
-    temp dir of the same step."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the rank died before the prctl
-        os._exit(1)
-    write(*args, **kwargs)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _fresh_tmp(target: Target) -> None:

@@ -1,9 +1,10 @@
 """The training loop's checkpoints: when a save starts, when it is published, what is reported.
 
 `checkpoint.async_save: false` saves at the step boundary and trains on once the checkpoint is
-published. With `true`, the loop stalls only while the state is copied to host memory and the
-writers are forked; every later step polls the save (one all-reduce), and the step at which
-every rank's writer has finished publishes it. A second save, the end of training and a stop
+published. With `true`, the loop stalls only while the save is planned; the state is copied to
+host memory while the next steps run (`async_save`), every later step polls the save (one
+all-reduce), the first poll after the copy forks the writers, and the step at which every
+rank's writer has finished publishes it. A second save, the end of training and a stop
 signal first wait for the save in flight and publish it, so the exit code's promise (a
 checkpoint at the step the job stopped) holds either way.
 
@@ -24,7 +25,7 @@ import torch
 
 from contracts.checkpoints import SaveTiming, write_save_timing, young_daly_steps
 from contracts.spec import CheckpointSpec
-from megatron_runs import dist_ckpt
+from megatron_runs import async_save, dist_ckpt
 from megatron_runs.faults import Faults
 from megatron_runs.metrics import TrainMetrics
 
@@ -57,7 +58,7 @@ class Checkpointer:
         self.faults = faults
         self.log = log
         self.writer = dist_ckpt.Writer()
-        self.pending: dist_ckpt.PendingSave | None = None
+        self.pending: async_save.PendingSave | None = None
         self.started = 0.0  # when the save in flight began
         self.step_seconds = 0.0  # the wall time of the step before the save in flight
         self.stall = 0.0  # how long the loop has waited for it so far
