@@ -268,6 +268,14 @@ def _shape_problems(spec: RunSpec) -> list[Problem]:
                 f"{m.num_attention_heads} attention heads are not divisible by tensor = {p.tensor}",
             )
         )
+    if m.vocab_size % p.tensor:
+        out.append(
+            Problem(
+                "model.vocab_size",
+                f"vocab_size {m.vocab_size} is not divisible by tensor = {p.tensor}: the "
+                "vocab-parallel embedding splits it evenly (pad the vocabulary to a multiple)",
+            )
+        )
     if m.kv_groups % p.tensor:
         out.append(
             Problem(
