@@ -5,9 +5,7 @@ next submission passes it to SLURM's `--exclude`. `node_actions` holds each requ
 evidence, written by the API before anything happens (intent), carried out by the reconciler
 and finished there (outcome), so a supervisor killed in between neither loses nor repeats it.
 
-Numbered 0008 and revising 0006: the main line may add a 0007; if it does, this revises it.
-
-Revision ID: 0008
+Revision ID: 0007
 Revises: 0006
 Create Date: 2026-11-28
 """
@@ -17,7 +15,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0008"
+revision: str = "0007"
 down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
