@@ -43,6 +43,18 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
+
+def log_events(text: str) -> list[dict]:
+    """The trainer's JSON-lines events in a rank's log (other output, torn lines skipped)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{") and '"event"' in line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
 @dataclass
 class LocalRun:
     procs: list[subprocess.Popen]
@@ -51,14 +63,7 @@ class LocalRun:
 
     def events(self, rank: int = 0) -> list[dict]:
         """JSON-lines events a rank logged so far."""
-        out = []
-        for line in self.logs[rank].read_text(errors="replace").splitlines():
-            if line.startswith("{") and '"event"' in line:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return out
+        return log_events(self.logs[rank].read_text(errors="replace"))
 
     def losses(self) -> dict[int, float]:
         return {e["step"]: e["loss"] for e in self.events() if e["event"] == "step"}

@@ -12,7 +12,6 @@ allows, on the demo corpus (`data.prefix: null`).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -157,18 +156,6 @@ PHASES = (
     Phase("train", ("--stop-at-step", str(RESUME_AT)), tuple(range(1, RESUME_AT + 1)), None),
     Phase("resume", (), tuple(range(RESUME_AT + 1, STEPS + 1)), RESUME_AT),
 )
-
-
-def events(log_text: str) -> list[dict[str, Any]]:
-    """The trainer's JSON-lines events in a rank's log (other output skipped)."""
-    out = []
-    for line in log_text.splitlines():
-        if line.startswith("{") and '"event"' in line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
 
 
 def phase_problems(plan: SmokePlan, phase: Phase, rank0_events: list[dict[str, Any]]) -> list[str]:

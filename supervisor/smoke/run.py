@@ -21,7 +21,7 @@ from typing import Any
 
 from contracts.paths import nightwatch_home
 from megatron_runs.launch_local import LocalRun, launch
-from supervisor.smoke.plan import PHASES, SmokePlan, error_tail, events, phase_problems
+from supervisor.smoke.plan import PHASES, SmokePlan, error_tail, phase_problems
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -133,7 +133,7 @@ def _run_phases(
         run = launch(args, plan.ranks, logs, env=env, entry=entry)
         failure = _wait(run, deadline - time.monotonic(), timeout_s)
         if failure is None:
-            problems = phase_problems(plan, phase, events(run.logs[0].read_text(errors="replace")))
+            problems = phase_problems(plan, phase, run.events())
             failure = ("; ".join(problems), 0, []) if problems else None
         if failure is not None:
             error, rank, tail = failure

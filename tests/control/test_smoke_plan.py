@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from contracts.spec import RunSpec
+from megatron_runs.launch_local import log_events as events
 from supervisor.layout import layout_report
 from supervisor.smoke.plan import (
     DEMO_VOCAB,
     PHASES,
     STEPS,
     error_tail,
-    events,
     phase_problems,
     shrink,
 )
