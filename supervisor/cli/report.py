@@ -17,6 +17,11 @@ class ReportFormat(StrEnum):
     json = "json"
 
 
+class PlotAxis(StrEnum):
+    step = "step"
+    wall = "wall"
+
+
 @app.command()
 def report(
     run_id: Annotated[str, typer.Argument(help="Run id (r-…).")],
@@ -28,6 +33,10 @@ def report(
         Path | None,
         typer.Option(help="Also write a PNG: loss over steps, incidents, rollback/skipped data."),
     ] = None,
+    plot_x: Annotated[
+        PlotAxis,
+        typer.Option("--plot-x", help="step: against steps; wall: against wall time (downtime)."),
+    ] = PlotAxis.step,
     as_json: JsonOption = False,
 ) -> None:
     """What happened to a run: timeline of faults, detections, remedies; downtime; ETTR."""
@@ -43,5 +52,5 @@ def report(
             from supervisor.report_plot import render_png
         except ImportError as exc:
             fail(f"--plot needs matplotlib: pip install 'nightwatch[plot]' ({exc})")
-        render_png(Report.from_dict(body), plot)
+        render_png(Report.from_dict(body), plot, x=plot_x.value)
         typer.echo(f"plot written to {plot}", err=True)

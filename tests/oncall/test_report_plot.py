@@ -44,3 +44,22 @@ def test_checkpoint_only_history_still_plots(tmp_path: Path) -> None:
     sparse = replace(data, loss=loss_from_checkpoints(data.checkpoints))
     out = render_png(build_report(sparse), tmp_path / "sparse.png")
     assert out.stat().st_size > 10_000
+
+
+def test_against_wall_time_the_downtime_and_the_incidents_show(tmp_path: Path) -> None:
+    report = build_report(scenario())
+    wall = render_png(report, tmp_path / "wall.png", x="wall")
+    assert wall.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    marked = _pixels(wall)
+    bare = _pixels(render_png(replace(report, incidents=[]), tmp_path / "bare.png", x="wall"))
+    reddish = lambda px: ((px[..., 0] > 0.85) & (px[..., 1] < 0.8) & (px[..., 2] < 0.8)).sum()  # noqa: E731
+    assert reddish(marked) > 5 * max(1, reddish(bare))  # fault → recovery shaded
+    # Between the attempts nothing trained: a grey band that the steps plot does not have.
+    steps = _pixels(render_png(report, tmp_path / "steps.png"))
+    assert _grey(bare) > _grey(steps) + 1_000
+
+
+def _grey(px: np.ndarray) -> int:
+    """Pixels of the light grey a 25 % grey band leaves on white."""
+    r, g, b = px[..., 0], px[..., 1], px[..., 2]
+    return int(((abs(r - g) < 0.02) & (abs(g - b) < 0.02) & (r > 0.78) & (r < 0.86)).sum())
