@@ -46,14 +46,18 @@ LAYOUTS: dict[str, tuple[int, int, int, int, bool, bool, str]] = {
     "dp2-mb16-full": (1, 1, 2, 16, True, False, "full"),
     "tp2-mb8": (2, 1, 1, 8, True, False, "none"),
     "tp2-mb8-sp": (2, 1, 1, 8, True, True, "none"),
+    "pp2-mb8": (1, 2, 1, 8, True, False, "none"),
+    "pp2-mb8-vpp2": (1, 2, 1, 8, True, False, "none"),
 }
+#: Layouts with an interleaved pipeline: name → model chunks per pipeline rank.
+VIRTUAL: dict[str, int] = {"pp2-mb8-vpp2": 2}
 STEPS = 6
 GLOBAL_BATCH = 64
 
 
 def spec_for(name: str, gpu_memory_gib: float) -> dict:
     tp, pp, dp, mbs, distopt, sp, recompute = LAYOUTS[name]
-    return {
+    spec = {
         "name": f"mem-{name}",
         "model": {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16,
                   "seq_length": 2048, "vocab_size": 32768, "precision": "bf16"},
@@ -65,6 +69,9 @@ def spec_for(name: str, gpu_memory_gib: float) -> dict:
                      "lr_warmup_steps": 2, "log_interval": 1, "recompute": recompute},
         "checkpoint": {"interval_steps": 10_000, "keep_last": 1},
     }  # fmt: skip
+    if name in VIRTUAL:
+        spec["parallelism"]["virtual_pipeline"] = VIRTUAL[name]
+    return spec
 
 
 def measure(out: Path, name: str, gpu_memory_gib: float) -> dict:

@@ -24,6 +24,8 @@ EXAMPLES = REPO / "examples"
 CALIBRATION = REPO / "docs" / "data" / "memory_calibration_h200x4.json"
 #: The same on 2 × H200, with sequence parallelism and recomputation.
 CALIBRATION_2 = REPO / "docs" / "data" / "memory_calibration_h200x2.json"
+#: The same on 2 × H200: pipeline 2 without and with the interleaved (virtual) pipeline.
+CALIBRATION_VPP = REPO / "docs" / "data" / "memory_calibration_vpp_h200x2.json"
 
 
 def llama8b(**overrides: dict[str, Any]) -> RunSpec:
@@ -51,7 +53,11 @@ def test_8b_has_about_8b_parameters_and_144_gb_of_model_states() -> None:
 
 @pytest.mark.parametrize(
     "row",
-    [*json.loads(CALIBRATION.read_text()), *json.loads(CALIBRATION_2.read_text())],
+    [
+        *json.loads(CALIBRATION.read_text()),
+        *json.loads(CALIBRATION_2.read_text()),
+        *json.loads(CALIBRATION_VPP.read_text()),
+    ],
     ids=lambda r: r["layout"],
 )
 def test_estimate_is_within_15_percent_above_the_measured_peak(row: dict[str, Any]) -> None:
