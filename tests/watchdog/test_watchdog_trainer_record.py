@@ -29,6 +29,7 @@ from supervisor.watchdog.snapshot import (
     Cause,
     CheckpointRef,
     FindingKind,
+    PastRemedy,
     RemedyKind,
     RunHistory,
     Snapshot,
@@ -220,6 +221,42 @@ def test_a_node_tipping_a_budget_a_contained_nan_batch_began_is_dated_by_its_own
     )
     remedy = decide(snap, [f], HISTORY, rc)
     assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.to_step == 30
+
+
+def test_a_nan_episode_still_going_on_is_not_contained_yet(rc: RecoverySpec) -> None:
+    going = _snap([nan(40, nodes=NODES), nan(41, nodes=NODES)], 41, nonfinite_total=2.0)
+    assert contained(going, rc) == []  # it may yet end in the trainer's budget stop
+    assert len(contained(_snap(list(going.anomalies), 42, nonfinite_total=2.0), rc)) == 1
+
+
+def test_a_one_node_jobs_nan_gradients_are_skipped_once_then_its_node_excluded(
+    rc: RecoverySpec,
+) -> None:
+    """Finite losses, NaN gradients, one node: nothing singles the node out, so the first
+    budget stop rolls back past those steps' batches (data first); when it recurs after that
+    skip, the backward pass is suspected: the node common to both attempts is excluded."""
+    records = [nan(s, nodes=["n1"]) for s in (8, 9, 10, 11)]
+    stop = dataclasses.replace(records[-1], kind=STOP, skipped_updates=4, window_steps=100)
+    one_node = dataclasses.replace(
+        _snap([*records, stop], 11),
+        job=dataclasses.replace(
+            _snap([], 11).job, nodes=("n1",), state=AttemptState.FAILED, exit_code=79
+        ),
+    )
+    history = dataclasses.replace(HISTORY, attempt_nodes=("n1",))
+    (f, *_) = detect_all(one_node, rc)
+    assert (f.cause, f.nodes, f.evidence["grads_only"]) == (Cause.DATA, (), True)
+    first = decide(one_node, [f], history, rc)
+    assert first.kind is RemedyKind.ROLLBACK and first.skip_ranges == ((56, 88),)
+    past = PastRemedy(
+        RemedyKind.ROLLBACK, 1, one_node.now - 5, FindingKind.NONFINITE, step=11,
+        skip_ranges=first.skip_ranges, attempt_nodes=("n1",),
+    )  # fmt: skip
+    again = decide(
+        dataclasses.replace(one_node, attempt=2), [f],
+        dataclasses.replace(history, remedies=(past,)), rc,
+    )  # fmt: skip
+    assert again.kind is RemedyKind.EXCLUDE_NODE and again.exclude_nodes == ("n1",)
 
 
 def test_a_tolerated_spike_is_contained_once_over_and_a_longer_one_is_not(

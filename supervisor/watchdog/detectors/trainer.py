@@ -189,7 +189,9 @@ def _budget_finding(stop: Anomaly, records: Sequence[Anomaly], snap: Snapshot) -
             "steps": steps,
             "bad_samples": [list(r) for r in samples],
             "nonfinite_grad_nodes": list(nodes),
-            "grads_only": bool(nodes),
+            # Finite losses, NaN gradients: a backward pass's doing (a node's, when the job
+            # has one node to blame), which the ladder suspects once a skip did not cure it.
+            "grads_only": bool(counted) and not any(a.samples for a in counted),
         },
         fault_time=first.t,
         last_healthy_step=first.step - 1,
@@ -225,13 +227,14 @@ def detect_trainer_anomalies(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
 
 
 def contained(snap: Snapshot, rc: RecoverySpec) -> list[Episode]:
-    """The episodes of this attempt that need no remedy: non-finite steps no node is to blame
-    for yet (their updates were skipped), and tolerated spikes that are over."""
+    """The episodes of this attempt that are over and needed no remedy: non-finite steps no
+    node is to blame for (their updates were skipped, and training went on past them), and
+    tolerated spikes. One still going on may yet end in the trainer's budget stop."""
     out = []
     stops = [a for a in snap.anomalies if a.kind == STOP]
     for episode in episodes(snap.anomalies, NONFINITE):
-        if any(episode.last > s.step - s.window_steps for s in stops):
-            continue  # counted by the trainer's stop: that finding's, not contained
+        if not _over(snap, episode) or any(episode.last > s.step - s.window_steps for s in stops):
+            continue  # going on, or counted by the trainer's stop: that finding's
         blamed = _blamed_nodes(episode.records, snap)
         strikes = Counter(
             n for a in snap.anomalies if a.kind == NONFINITE for n in _blamed_nodes([a], snap)
