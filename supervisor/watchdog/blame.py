@@ -39,7 +39,8 @@ class LogFinding:
 
 _TASK_EXIT = re.compile(
     r"srun: error: (?P<host>[\w.-]+): tasks? [\d,\-]+: "
-    r"(?:Exited with exit code (?P<code>\d+)|Killed|Terminated|Aborted|Segmentation fault)"
+    r"(?:Exited with exit code (?P<code>\d+)|Killed|Terminated|Aborted|Segmentation fault|"
+    r"User defined signal 2)"
 )
 _CANCELLED = re.compile(
     r"\*\*\* (?:JOB|STEP) [\d.]+ ON (?P<host>[\w.-]+) CANCELLED AT \S+ (?P<why>.*?)\s*\*\*\*"
@@ -168,7 +169,11 @@ def log_cause(
     kinds = {f.kind for f in findings}
     first = findings[-1].line if findings else None
     crashed = node_names(crashed_hosts(findings), nodes)
-    if exit_code == exitcodes.REQUEUE:
+    if exit_code == exitcodes.REQUEUE or any(
+        f.kind is LogKind.TASK_EXIT and _STOP_WARNING.search(f.line) for f in findings
+    ):
+        # Checkpointed on a stop signal, or killed by SLURM's USR2 warning (walltime or
+        # preemption) before its handler was in place: the stop is nobody's fault.
         return Cause.INFRA, first, ()
     collective = {LogKind.COLLECTIVE_ERROR, LogKind.NODE_FAILURE}
     peer_lost = any(f.kind in collective and _PEER_CLOSED.search(f.line) for f in findings)
@@ -183,6 +188,9 @@ def log_cause(
         return Cause.CODE, first, ()
     return Cause.UNKNOWN if findings else None, first, crashed
 
+
+#: A task that SLURM's stop warning (`--signal=USR2@lead`) killed before it could handle it.
+_STOP_WARNING = re.compile(r"User defined signal 2")
 
 _NODE_PATTERNS = re.compile(
     r"NCCL|CUDA error|ECC|Xid|uncorrectable|illegal memory access|bus error|"

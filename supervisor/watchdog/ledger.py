@@ -245,21 +245,16 @@ class Ledger:
         incidents.append(incident)
         return incident.id, True
 
-    def record_episodes(
-        self, run: Run, attempt: int, found: Sequence[Episode], kind: FindingKind
-    ) -> int:
-        """Episodes of the trainer's record not yet written down, each as one incident of
-        `kind` with its evidence, once (keyed by its first record): CONTAINED ones need no
-        remedy and are over as soon as recorded; others were seen too late for one (the run
-        had ended) and stay open. Returns how many were written."""
+    def record_contained(self, run: Run, attempt: int, found: Sequence[Episode]) -> int:
+        """Contained episodes of the trainer's record not yet written down, each as one
+        incident with its evidence, over as soon as recorded (no remedy, 0 steps lost), once
+        (keyed by its first record). Returns how many were written."""
         if not found:
             return 0
         recorded = self._recorded.get(run.id)
         if recorded is None:
             with self.db.session() as s:
-                recorded = store.recorded_incident_keys(
-                    s, run.id, [FindingKind.CONTAINED.value, FindingKind.LOSS_SPIKE.value]
-                )
+                recorded = store.recorded_incident_keys(s, run.id, [FindingKind.CONTAINED.value])
             self._recorded[run.id] = recorded
         new = [e for e in found if e.key not in recorded]
         if not new:
@@ -267,14 +262,13 @@ class Ledger:
         with self.db.write_session() as s:
             for e in new:
                 incident = store.open_incident(
-                    s, run.id, attempt, kind.value,
-                    evidence=episode_evidence(e, kind), fault_ts=as_datetime(e.records[0].t),
+                    s, run.id, attempt, FindingKind.CONTAINED.value,
+                    evidence=episode_evidence(e), fault_ts=as_datetime(e.records[0].t),
                 )  # fmt: skip
-                if kind is FindingKind.CONTAINED:
-                    store.update_incident(
-                        s, incident.id, state=IncidentState.RECOVERED, remedy=RemedyKind.NONE.value,
-                        recovered_ts=as_datetime(e.records[-1].t), steps_lost=0,
-                    )  # fmt: skip
+                store.update_incident(
+                    s, incident.id, state=IncidentState.RECOVERED, remedy=RemedyKind.NONE.value,
+                    recovered_ts=as_datetime(e.records[-1].t), steps_lost=0,
+                )  # fmt: skip
         recorded.update(e.key for e in new)
         return len(new)
 
@@ -323,12 +317,11 @@ class Ledger:
                 )
 
 
-def episode_evidence(episode: Episode, kind: FindingKind) -> dict[str, Any]:
-    """An episode's incident evidence (pure): the steps, samples, nodes, losses it names."""
+def episode_evidence(episode: Episode) -> dict[str, Any]:
+    """A contained episode's incident evidence (pure): the steps, samples, nodes, losses."""
     records = episode.records
-    what = "contained" if kind is FindingKind.CONTAINED else "seen after the run ended"
     return {
-        "finding": (f"trainer: {episode.kind} at steps {episode.first}-{episode.last} ({what})"),
+        "finding": f"trainer: {episode.kind} at steps {episode.first}-{episode.last} (contained)",
         "record": episode.key,
         "episode": episode.kind,
         "cause": Cause.NODE.value if episode.nodes and not episode.samples else Cause.DATA.value,

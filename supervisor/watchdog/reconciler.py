@@ -47,7 +47,7 @@ from supervisor.watchdog.ledger import Ledger
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.observe import Observer, World, job_view, ts
 from supervisor.watchdog.progress import changed, observed_progress
-from supervisor.watchdog.snapshot import Finding, FindingKind, Remedy, RemedyKind, Snapshot
+from supervisor.watchdog.snapshot import Finding, Remedy, RemedyKind, Snapshot
 from supervisor.watchdog.telemetry import Telemetry
 
 log = logging.getLogger("nightwatch.watchdog")
@@ -342,21 +342,17 @@ class Reconciler:
                 a for a in self.observer.anomalies(run, spec) if a.attempt == attempt.number
             ),
         )
-        self.ledger.record_episodes(
-            run, attempt.number, contained(snap, spec.recovery), FindingKind.CONTAINED
-        )
+        self.ledger.record_contained(run, attempt.number, contained(snap, spec.recovery))
         if spec.checkpoint.interval_auto:
             self.ledger.record_interval(run, attempt.number, self.observer.save_timing(run, spec))
         if (
             job.state is AttemptState.COMPLETED
             and disk.step is not None
             and disk.step >= run.target_steps
+            # A spike the last attempt trained through to the end is not a finished run: its
+            # final model holds the spike, so the detectors below roll it back like any other.
+            and not unremedied_spikes(snap, spec.recovery)
         ):
-            # A spike the run trained through to its end: no remedy can come now, but it is
-            # written down with its evidence.
-            self.ledger.record_episodes(
-                run, attempt.number, unremedied_spikes(snap, spec.recovery), FindingKind.LOSS_SPIKE
-            )
             self.ledger.forget(run.id)
             self.actuator.complete_run(run.id, attempt.number, disk.step)
             self.ledger.close_incidents(incidents, now)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from contracts.spec import RunSpec
 from supervisor.metrics_in import MetricsView, SourceHealth
-from supervisor.slurm import JobStatus, SlurmCluster, tail
+from supervisor.slurm import JobState, JobStatus, SlurmCluster, tail
+from supervisor.watchdog.blame import log_cause
 from supervisor.watchdog.detectors import detect_all
 from supervisor.watchdog.policy import decide
 from supervisor.watchdog.snapshot import JobView, Remedy, RunHistory, Snapshot
@@ -49,10 +50,16 @@ def scrape_step(host: str, port: int) -> float | None:
     return None
 
 
-def watchdog_remedy(status: JobStatus, spec: RunSpec, disk_step: int) -> Remedy:
+def watchdog_remedy(
+    status: JobStatus, spec: RunSpec, disk_step: int, log_text: str | None = None
+) -> Remedy:
     """What the watchdog's detectors and policy make of a real job's polled status on a
     run's first fault (REQUEUE: a checkpointed stop continues as a new attempt; NONE: the
-    target was reached, the run is done)."""
+    target was reached, the run is done), with the blame the reconciler reads from a failed
+    job's log when `log_text` is given."""
+    cause = None
+    if log_text is not None and status.state is JobState.FAILED:
+        cause, _, _ = log_cause(log_text, status.exit_code, disk_step > 0, status.nodes)
     job = JobView(
         health=SourceHealth.UP,
         state=status.state.attempt_state,
@@ -61,6 +68,7 @@ def watchdog_remedy(status: JobStatus, spec: RunSpec, disk_step: int) -> Remedy:
         exit_code=status.exit_code,
         reason=status.reason or None,
         failed_nodes=status.failed_nodes,
+        cause=cause,
     )
     snap = Snapshot(
         run_id=spec.name,

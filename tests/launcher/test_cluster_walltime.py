@@ -29,11 +29,12 @@ def test_run_longer_than_time_limit_chains_attempts(slurm, tmp_path, toy_spec, t
         sub = launcher.submit(slurm, replace(plan, attempt=attempt))
         status = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=120)
         step = latest(plan.checkpoint_dir)
-        remedy = watchdog_remedy(status, spec, step)
+        logs = job_logs(slurm, sub.job_id, plan.log_dir)
+        remedy = watchdog_remedy(status, spec, step, logs)
         outcomes.append((remedy.finding.kind if remedy.finding else status.state, step))
         if remedy.kind is RemedyKind.NONE:
             break
-        assert remedy.kind is RemedyKind.REQUEUE, job_logs(slurm, sub.job_id, plan.log_dir)
+        assert remedy.kind is RemedyKind.REQUEUE, logs
     assert status.state is JobState.COMPLETED, outcomes
     assert outcomes[-1] == (JobState.COMPLETED, 35), outcomes
     # every stop before the last was the time limit (checkpointed); nothing went backwards

@@ -90,6 +90,9 @@ class Supervisor:
         self.budget = Gauge(f"{p}_run_recovery_budget_left", "budget", ["run_id"], registry=r)
         self.ckpt_age = Gauge(f"{p}_run_checkpoint_age_seconds", "age", ["run_id"], registry=r)
         self.attention = Gauge(f"{p}_run_needs_attention", "escalated", ["run_id"], registry=r)
+        self.run_incidents = Gauge(
+            f"{p}_run_incidents", "the run's incidents", ["run_id", "kind"], registry=r
+        )
         self.server, _ = start_http_server(0, addr="127.0.0.1", registry=r)
 
     @property
@@ -110,6 +113,7 @@ class Supervisor:
         self.attention.labels(run_id=RUN_ID).set(0)
         if step % 6 == 0:  # a fault every few steps: detected, remedied, recovered
             self.incidents.labels(kind="loss_spike").inc()
+            self.run_incidents.labels(run_id=RUN_ID, kind="loss_spike").inc()
             self.remedies.labels(kind="rollback").inc()
             self.detection.observe(4.0 + step % 3)
             self.mttr.observe(60.0 + step)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.watchdog.blame import LogKind, classify, suspect_hosts
+from supervisor.watchdog.blame import LogKind, classify, log_cause, suspect_hosts
+from supervisor.watchdog.snapshot import Cause
 
 CAPTURED = Path(__file__).parent / "captured"
 
@@ -54,3 +55,15 @@ def test_node_failure_and_oom_and_time_limit():
 
 def test_clean_log_has_no_findings():
     assert classify("toy: rank 0/4 on n1 starts at step 0\nall good\n") == []
+
+
+def test_tasks_killed_by_slurms_stop_warning_are_nobodys_fault() -> None:
+    """USR2 (`--signal=USR2@lead`) that lands before a task installed its handler kills it:
+    the walltime's or the preemption's doing, requeued like a checkpointed stop."""
+    text = (
+        "submitit INFO (2026-11-28 11:48:10,343) - Loading pickle: /tmp/logs/59/59_submitted.pkl\n"
+        "srun: error: n1: task 0: User defined signal 2\n"
+        "srun: error: n2: task 1: User defined signal 2\n"
+    )
+    cause, line, nodes = log_cause(text, None, True, ("n1", "n2"))
+    assert (cause, nodes) == (Cause.INFRA, ()) and "User defined signal 2" in (line or "")

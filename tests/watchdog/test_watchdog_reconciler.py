@@ -712,23 +712,28 @@ def test_the_trainers_budget_stop_rolls_back_past_exactly_its_samples(
     assert get_run(db, run_id).skip_ranges_json == [[192, 224]]
 
 
-def test_a_spike_seen_only_after_the_run_ended_is_still_recorded(
+def test_a_spike_the_run_trained_through_to_its_end_is_still_rolled_back(
     db: Database, tmp_path: Path
 ) -> None:
+    """The job reached its target before the watchdog saw the spike at step 299 (the soak's
+    fast steps can outrun a tick): the run is not done, its final model holds the spike."""
     cluster, source = FakeCluster(), FakeSource()
     rec, run_id, job = running(db, tmp_path, cluster, source)
     ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(TINY_SPEC))
+    write_checkpoint(ckpt, 290, 2320)
     write_checkpoint(ckpt, 300, 2400)
     spike = anomalies.Anomaly(1, 299, anomalies.SPIKE, ((2384, 2392),), (), (2384, 2392),
                               loss=90.0, threshold=7.0, t=time.time())  # fmt: skip
     _record(ckpt, spike)
     cluster.set(job, JobState.COMPLETED, exit_code=0)
-    rec.tick()
-    assert get_run(db, run_id).state is RunState.SUCCEEDED
+    remedy = rec.tick().remedies[run_id]
+    assert remedy.kind is RemedyKind.ROLLBACK and remedy.to_step == 290
+    assert remedy.skip_ranges == ((2384, 2392),)
+    run = get_run(db, run_id)
+    assert run.state is RunState.RECOVERING and run.current_attempt == 2
     (incident,) = rows(db, Incident, run_id)
-    assert incident.kind == FindingKind.LOSS_SPIKE.value and incident.state is IncidentState.OPEN
-    assert incident.evidence_json["bad_samples"] == [[2384, 2392]]
-    assert "after the run ended" in incident.evidence_json["finding"]
+    assert (incident.kind, incident.remedy) == (FindingKind.LOSS_SPIKE.value, "rollback")
+    assert cluster.submitted[-1][1].job_name.endswith("-a2")
 
 
 def test_a_resubmission_sends_its_stop_signal_a_measured_save_ahead(
