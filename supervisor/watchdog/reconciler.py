@@ -291,9 +291,12 @@ class Reconciler:
             )
             return Outcome(Next.TERMINAL, "cancelled")
         if unfinished is not None and unfinished.kind == ActionKind.ESCALATE.value:
-            # killed mid-escalation: the run may already need attention; finish it anyway
+            # killed mid-escalation, or its cancel failed: the run may already need attention;
+            # finish it anyway, job included (on_escalation: cancel frees it)
             number = unfinished.attempt or run.current_attempt
-            self.actuator.resume(unfinished, ActContext(run.id, number, None, False))
+            job_id = attempt.job_id if attempt is not None and attempt.number == number else None
+            ctx = ActContext(run.id, number, job_id, active_job and job_id is not None)
+            self.actuator.resume(unfinished, ctx)
             return Outcome(Next.TERMINAL, "escalated")
         if run.operator_request_json is not None and unfinished is None and attempt is not None:
             return self._operator_request(run, attempt, run.operator_request_json, active_job)
