@@ -2,11 +2,13 @@
 SQLite, submitit's local executor, direct scrapes) as a subprocess, tiny CPU Megatron-Core
 runs, and the real CLI.
 
-One run crashes once at step 25 with no restart budget, so it needs attention; while it trained
-its progress and logs were visible; `nightwatch resume` brings it back from its checkpoint, and
-`nightwatch rollback --to-step 30 --skip-samples 300:340` rewinds it. Its final losses must equal,
-step for step, those of a clean run that skips the same samples (exact resume). Another run
-hangs with no budget left: escalation cancels its job, freeing what it held.
+One run (300 steps: long enough that the operator's rollback lands before it ends, however
+loaded the machine) crashes once at step 25 with no restart budget, so it needs attention;
+while it trained its progress and logs were visible; `nightwatch resume` brings it back from
+its checkpoint, and `nightwatch rollback --to-step 30 --skip-samples 300:340` rewinds it. Its
+final losses must equal, step for step, those of a clean run that skips the same samples
+(exact resume). Another run hangs with no budget left: escalation cancels its job, freeing
+what it held.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from supervisor.run_logs import loss_points
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
-STEPS, SKIP = 60, (300, 340)
+STEPS, SKIP = 300, (300, 340)
 
 
 def tiny_spec(name: str, faults: list[dict[str, Any]]) -> dict[str, Any]:
