@@ -8,7 +8,6 @@ was given and gets only what was written since, whole lines only.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.paths import attempt_log_dir
+from megatron_runs.launch_local import log_events
 from supervisor.metrics_in import LossPoint
 from supervisor.slurm import last_lines, read_from
 
@@ -88,18 +88,18 @@ def loss_points(home: Path, run_id: str, attempts: Sequence[Mapping[str, Any]]) 
 
 
 def _step_points(text: str, attempt: int) -> list[LossPoint]:
+    """The finite losses of a rank's `step` events (`launch_local.log_events` parses them)."""
     points = []
-    for line in text.splitlines():
-        if '"event": "step"' not in line:
+    for row in log_events(text):
+        if row.get("event") != "step":
             continue
         try:
-            row = json.loads(line)
             point = LossPoint(
                 step=int(row["step"]), loss=float(row["loss"]), attempt=attempt,
                 t=float(row["ts"]), source="log",
             )  # fmt: skip
         except (ValueError, KeyError, TypeError):
-            continue  # a torn or foreign line
+            continue  # a line of another shape
         if math.isfinite(point.loss):
             points.append(point)
     return points
