@@ -292,6 +292,19 @@ class RecoverySpec(_Strict):
         "decided cured its fault: it no longer counts toward the restart storm.",
     )
     max_rollbacks_per_incident: PositiveInt = 2
+    restart_in_job: bool = Field(
+        default=True,
+        description="Restart, roll back and hang remedies that indict no node restart the "
+        "ranks inside the running job (no new sbatch, no queue wait); a node fault, or a job "
+        "that is gone, resubmits as before.",
+    )
+    restart_wait_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="How long a job whose ranks failed keeps its nodes waiting for the "
+        "watchdog's restart order (restart_in_job) before it ends.",
+    )
     max_excluded_nodes: NonNegativeInt = 2
     drain_excluded_nodes: bool = False
     on_escalation: Literal["cancel", "hold"] = Field(

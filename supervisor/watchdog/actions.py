@@ -31,7 +31,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contracts import anomalies, checkpoints
-from contracts.paths import attempt_log_dir, checkpoint_dir
+from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
+from contracts.restart import RestartOrder, job_control_dir, write_order
 from contracts.spec import RunSpec
 from supervisor import accounting, store
 from supervisor.auth import Scope
@@ -68,6 +69,9 @@ class ActionKind(enum.StrEnum):
     """Action rows' `kind`: the remedies plus the reconciler's own chores."""
 
     SUBMIT = "submit"
+    #: A remedy's next attempt started inside the running job (`contracts.restart`): the
+    #: in-job counterpart of SUBMIT, keyed by the job.
+    RESTART_IN_JOB = "restart_in_job"
     CANCEL = "cancel"
     COMPLETE = "complete"
     RESTART = RemedyKind.RESTART.value
@@ -84,6 +88,8 @@ DRAIN_REASON_PREFIX = "nightwatch:"
 
 #: Remedies whose `to_step` rolls training back (later checkpoints may hold thrown-away state).
 ROLLS_BACK = frozenset({RemedyKind.ROLLBACK, RemedyKind.EXCLUDE_NODE})
+#: Remedies that indict no node: their next attempt may start inside the running job.
+RESTARTS_IN_JOB = frozenset({RemedyKind.RESTART, RemedyKind.ROLLBACK})
 
 
 def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -108,6 +114,8 @@ class ActContext:
     job_id: str | None
     job_active: bool
     step: int | None = None
+    #: The job holds its nodes now (SLURM says RUNNING): a restart may happen inside it.
+    job_running: bool = False
     attempt_nodes: tuple[str, ...] = ()
     incident_id: int | None = None
     resume_from: int | None = None  # newest complete checkpoint on disk now
@@ -269,6 +277,7 @@ class Actuator:
                 node_setup=self.config.node_setup,
                 signal_delay_s=lead,
                 mtbf_seconds=mtbf[0] if mtbf else None,
+                run_dir=run_dir(self.config.home, run_id),
             )
             stop_signal = {"signal_lead_s": lead, "signal_lead": lead_basis}
             if mtbf:
@@ -398,11 +407,14 @@ class Actuator:
             run = store.get_run(s, ctx.run_id)
         if remedy.to_step:
             self._pin_checkpoint(run, remedy.to_step, ctx)
-        try:
-            self._stop_job(ctx)
-        except SourceUnavailable as exc:
-            log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
-            return False
+        in_job = self._in_job(ctx, remedy, run)
+        if in_job is None:
+            try:
+                self._stop_job(ctx)
+            except SourceUnavailable as exc:
+                log.warning(f"cancel failed, will retry: {exc}",
+                            extra=_ctx(ctx.run_id, ctx.attempt))  # fmt: skip
+                return False
         updates: dict[str, Any] = {}
         if remedy.kind is RemedyKind.ROLLBACK and remedy.skip_ranges:
             updates["skip_ranges_json"] = merge_ranges([*run.skip_ranges_json, *remedy.skip_ranges])
@@ -423,18 +435,108 @@ class Actuator:
                 store.transition_run(
                     s, ctx.run_id, RunState.RECOVERING, reason=remedy.reason, attempt=ctx.attempt
                 )
-        job_id = self.submit_attempt(
-            ctx.run_id, ctx.attempt + 1, resume_step=resume, reason=remedy.reason
-        )
+        if in_job is None:
+            job_id = self.submit_attempt(
+                ctx.run_id, ctx.attempt + 1, resume_step=resume, reason=remedy.reason
+            )
+        else:
+            job_id = self.restart_in_job(ctx, in_job, resume_step=resume, reason=remedy.reason)
+            if job_id is None:
+                return False  # the order is not out yet: this remedy is resumed next tick
         resume_from = resume if resume is not None else ctx.resume_from
         self._finish(
             key,
             job_id is not None,
-            {"next_attempt": ctx.attempt + 1, "job_id": job_id, "resume_from": resume_from},
+            {
+                "next_attempt": ctx.attempt + 1,
+                "job_id": job_id,
+                "resume_from": resume_from,
+                "in_job": in_job is not None,
+            },
             f"[nightwatch] {ctx.run_id}: {remedy.reason}",
             **notify,
         )
         return True
+
+    def _in_job(self, ctx: ActContext, remedy: Remedy, run: Run) -> str | None:
+        """The job the remedy's next attempt starts inside, or None to resubmit.
+
+        Once decided, the decision stands: a remedy resumed after a crash finds its in-job
+        start recorded (keyed by the next attempt) and finishes it, whatever the job looks
+        like now. Otherwise: a remedy that indicts no node, on a run that allows it, while its
+        job holds its nodes."""
+        with self.db.session() as s:
+            begun = s.scalar(
+                select(Action.target).where(
+                    Action.run_id == ctx.run_id,
+                    Action.attempt == ctx.attempt + 1,
+                    Action.kind == ActionKind.RESTART_IN_JOB.value,
+                )
+            )
+        if begun is not None:
+            return str(begun)
+        spec = RunSpec.model_validate(run.spec_json)
+        eligible = (
+            remedy.kind in RESTARTS_IN_JOB
+            and spec.recovery.restart_in_job
+            and ctx.job_running
+            and ctx.job_id is not None
+        )
+        return ctx.job_id if eligible else None
+
+    def restart_in_job(
+        self, ctx: ActContext, job_id: str, *, resume_step: int | None, reason: str
+    ) -> str | None:
+        """Start attempt `ctx.attempt + 1` inside the running job, exactly once: end the
+        current attempt, record the next one on the same job, then publish the order its
+        node tasks act on (each step idempotent). Returns the job id."""
+        number = ctx.attempt + 1
+        with self.db.session() as s:
+            run = store.get_run(s, ctx.run_id)
+        skips = tuple((int(a), int(b)) for a, b in merge_ranges(run.skip_ranges_json))
+        evidence = {"job_id": job_id, "reason": reason, "resume_step": resume_step,
+                    "skip_ranges": [list(r) for r in skips]}  # fmt: skip
+        key = self._begin(ctx.run_id, number, ActionKind.RESTART_IN_JOB, job_id, evidence)
+        if key is None:
+            return job_id
+        with self.db.write_session() as s:
+            attempt = _attempt(s, ctx.run_id, ctx.attempt)
+            if attempt is not None and attempt.ended_at is None:
+                store.update_attempt(
+                    s,
+                    ctx.run_id,
+                    ctx.attempt,
+                    state=AttemptState.CANCELLED,
+                    end_reason=f"restarted inside job {job_id}",
+                    ended_at=self._now(),
+                )
+            if run.current_attempt < number:
+                store.create_attempt(
+                    s,
+                    ctx.run_id,
+                    executor=self.cluster.kind,
+                    job_id=job_id,
+                    resume_step=resume_step,
+                    skip_ranges=[list(r) for r in skips],
+                )
+        spec = RunSpec.model_validate(run.spec_json)
+        mtbf = self._mtbf(ctx.run_id, spec) if spec.checkpoint.interval_auto else None
+        order = RestartOrder(
+            attempt=number,
+            log_dir=str(attempt_log_dir(self.config.home, ctx.run_id, number)),
+            resume_step=resume_step,
+            skip_ranges=skips,
+            mtbf_seconds=mtbf[0] if mtbf else None,
+        )
+        control = job_control_dir(run_dir(self.config.home, ctx.run_id), job_id)
+        try:
+            path = write_order(control, order)
+        except OSError as exc:  # the intent stays: the next tick's resume writes it again
+            log.warning(f"restart order failed: {exc}", extra=_ctx(ctx.run_id, number))
+            return None
+        self._finish(key, True, {"job_id": job_id, "order": str(path)})
+        log.info("restarted inside the job", extra={**_ctx(ctx.run_id, number), "job_id": job_id})
+        return job_id
 
     def _pin_checkpoint(self, run: Run, step: int, ctx: ActContext) -> None:
         """Pin the checkpoint a remedy resumes from before stopping the job: until SLURM kills
