@@ -39,6 +39,9 @@ class RestartOrder:
     skip_ranges: tuple[tuple[int, int], ...] = ()
     stop_at_step: int | None = None
     mtbf_seconds: float | None = None
+    #: The nodes that run the attempt's ranks, in rank order (a spare replacing a bad node);
+    #: empty: the same nodes as before.
+    nodes: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -53,6 +56,7 @@ class RestartOrder:
             skip_ranges=tuple((int(a), int(b)) for a, b in raw.get("skip_ranges", ())),
             stop_at_step=raw.get("stop_at_step"),
             mtbf_seconds=raw.get("mtbf_seconds"),
+            nodes=tuple(str(n) for n in raw.get("nodes", ())),
         )
 
 

@@ -116,6 +116,12 @@ class ResourcesSpec(_Strict):
 
     device: Literal["gpu", "cpu"] = "gpu"
     nodes: PositiveInt = 1
+    spare_nodes: NonNegativeInt = Field(
+        default=0,
+        le=64,
+        description="Extra nodes the job holds idle: a node fault swaps the bad node for one "
+        "inside the running job, with no queue wait (needs recovery.restart_in_job).",
+    )
     gpus_per_node: PositiveInt = Field(
         default=1, description="GPUs per node (device gpu); ranks per node (device cpu)."
     )

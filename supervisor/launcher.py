@@ -139,7 +139,7 @@ def job_request(plan: SubmitPlan) -> JobRequest:
     return JobRequest(
         job_name=job_name(plan.run_id, plan.attempt),
         log_dir=plan.log_dir,
-        nodes=res.nodes,
+        nodes=res.nodes + res.spare_nodes,
         tasks_per_node=1,
         ranks_per_task=res.gpus_per_node,
         cpus_per_task=res.cpus_per_task * res.gpus_per_node,
@@ -189,7 +189,12 @@ def _restart_fields(plan: SubmitPlan) -> dict[str, Any]:
     rc = plan.spec.recovery
     if plan.run_dir is None or not rc.restart_in_job:
         return {}
-    return {"run_dir": str(plan.run_dir), "restart_wait_s": rc.restart_wait_seconds}
+    spares = plan.spec.resources.spare_nodes
+    return {
+        "run_dir": str(plan.run_dir),
+        "restart_wait_s": rc.restart_wait_seconds,
+        "active_nodes": plan.spec.resources.nodes if spares else 0,
+    }
 
 
 def submit(cluster: Cluster, plan: SubmitPlan) -> Submission:

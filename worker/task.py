@@ -21,6 +21,7 @@ import os
 import resource
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +29,13 @@ from types import FrameType
 from typing import NoReturn
 
 from contracts import exitcodes
-from contracts.restart import RestartOrder, exit_code_path, job_control_dir
+from contracts.restart import (
+    RestartOrder,
+    exit_code_path,
+    failed_exit,
+    job_control_dir,
+    read_exit_codes,
+)
 from contracts.spec import RunSpec
 from contracts.task import TrainContext, node_name
 from worker.devices import missing_gpus
@@ -38,6 +45,9 @@ from worker.ranks import NODE_PROCESS_NAME, fork_ranks, name_process
 from worker.registration import Registrar
 
 log = logging.getLogger("nightwatch.worker")
+
+#: How often a spare node looks for an order or for the end of the attempt it does not run.
+SPARE_POLL_S = 0.2
 
 
 class _EarlyStop:
@@ -85,6 +95,11 @@ class TrainingTask:
     job_folder: str | None = None
     #: Restarts inside the job before this attempt (each rendezvous on a new port).
     generation: int = 0
+    #: Nodes of the job that run ranks when it starts (its first ones); the others are
+    #: spares (`resources.spare_nodes`). 0: every node.
+    active_nodes: int = 0
+    #: The nodes an order named for this attempt, in rank order (empty: as at the start).
+    nodes: tuple[str, ...] = ()
 
     def __call__(self) -> NoReturn:
         early = _EarlyStop()
@@ -121,40 +136,67 @@ class TrainingTask:
     def _node(self, info: TaskInfo, early: _EarlyStop) -> int:
         """Run this attempt's ranks on the node, then each attempt the supervisor orders into
         the job: an order kills the ranks still running (a hang, a rollback) and forks the
-        new attempt's; ranks that failed wait `restart_wait_s` for one. The node's outcome
-        once no order came (or restarts inside the job are off)."""
+        new attempt's; ranks that failed wait `restart_wait_s` for one. A node the attempt
+        does not use (a spare) waits for the order that uses it, or for the attempt's end.
+        The node's outcome once no order came (or restarts inside the job are off)."""
         task = self
         while True:
-            ranks = rank_infos(task._scheduled(info), task.ranks_per_task)
             watch = (
                 OrderWatch(job_control_dir(Path(task.run_dir), info.job_id), task.attempt)
                 if task.run_dir and task.restart_wait_s
                 else None
             )
-            code = fork_ranks(
-                ranks,
-                functools.partial(task._rank, early=early),
-                _leave,
-                interrupt=watch.newer if watch else None,
-                on_ended=_record_unrecorded_exit if watch else None,
-            )
-            order = watch.order if watch else None
-            if code is not None:
-                if watch is None or code in exitcodes.CLEAN_EXITS:
-                    return code
-                context = task._context(info.job_id)
-                log.warning("ranks failed (exit %d): waiting %.0f s for a restart order",
-                            code, task.restart_wait_s, extra=context)  # fmt: skip
-                order = watch.wait(task.restart_wait_s)
+            placed = task._scheduled(info)
+            if placed is None:
+                assert watch is not None  # spares exist only with restarts inside the job
+                order = task._spare(info, watch)
                 if order is None:
-                    return code
+                    return exitcodes.OK
+            else:
+                code = fork_ranks(
+                    rank_infos(placed, task.ranks_per_task),
+                    functools.partial(task._rank, early=early),
+                    _leave,
+                    interrupt=watch.newer if watch else None,
+                    on_ended=_record_unrecorded_exit if watch else None,
+                )
+                order = watch.order if watch else None
+                if code is not None:
+                    if watch is None or code in exitcodes.CLEAN_EXITS:
+                        return code
+                    context = task._context(info.job_id)
+                    log.warning("ranks failed (exit %d): waiting %.0f s for a restart order",
+                                code, task.restart_wait_s, extra=context)  # fmt: skip
+                    order = watch.wait(task.restart_wait_s)
+                    if order is None:
+                        return code
             assert order is not None
             task = task._ordered(order, info.job_id)
             log.info("restart in job: attempt %d from step %s", order.attempt,
                      order.resume_step, extra=task._context(info.job_id))  # fmt: skip
 
+    def _spare(self, info: TaskInfo, watch: OrderWatch) -> RestartOrder | None:
+        """Idle through an attempt that runs on other nodes: the next order (which may use
+        this node), or None once the attempt's ranks all ended and no order followed within
+        `restart_wait_s` (at once when they all ended cleanly: the job is done)."""
+        world = len(self._nodes(info)) * self.ranks_per_task
+        folder = Path(self.job_folder or info.folder or ".")
+        log.info("spare node: waiting for an order", extra=self._context(info.job_id))
+        ended_at: float | None = None
+        while not watch.newer():
+            if ended_at is None:
+                codes = read_exit_codes(folder, info.job_id)
+                if len(codes) >= world:
+                    if failed_exit(codes) is None:
+                        return None
+                    ended_at = time.monotonic()
+            elif time.monotonic() - ended_at >= self.restart_wait_s:
+                return None
+            time.sleep(SPARE_POLL_S)
+        return watch.order
+
     def _ordered(self, order: RestartOrder, job_id: str) -> TrainingTask:
-        """This task as the order's attempt: its resume point, skips and folder."""
+        """This task as the order's attempt: its resume point, skips, nodes and folder."""
         env = {**dict(self.env), "NIGHTWATCH_ATTEMPT": str(order.attempt)}
         return replace(
             self,
@@ -166,14 +208,35 @@ class TrainingTask:
             env=tuple(sorted(env.items())),
             job_folder=str(Path(order.log_dir) / job_id),
             generation=self.generation + 1,
+            nodes=tuple(order.nodes) or self.nodes,
         )
 
-    def _scheduled(self, info: TaskInfo) -> TaskInfo:
-        """The node's task as this attempt sees it: its folder and rendezvous generation."""
-        if self.job_folder is None:
+    def _nodes(self, info: TaskInfo) -> tuple[str, ...]:
+        """The nodes that run this attempt's ranks, in rank order: the order's, else the
+        job's first `active_nodes` (all of them without spares)."""
+        if self.nodes:
+            return self.nodes
+        hosts = tuple(info.hostnames)
+        return hosts[: self.active_nodes] if self.active_nodes else hosts
+
+    def _scheduled(self, info: TaskInfo) -> TaskInfo | None:
+        """The node's task as this attempt sees it (its place among the attempt's nodes, its
+        folder and rendezvous generation), or None on a node the attempt does not use."""
+        if self.job_folder is not None:
+            Path(self.job_folder).mkdir(parents=True, exist_ok=True)
+            info = replace(info, folder=self.job_folder, generation=self.generation)
+        if not self.active_nodes and not self.nodes:
             return info
-        Path(self.job_folder).mkdir(parents=True, exist_ok=True)
-        return replace(info, folder=self.job_folder, generation=self.generation)
+        nodes = self._nodes(info)
+        if node_name() not in nodes:
+            return None
+        return replace(
+            info,
+            hostnames=nodes,
+            global_rank=nodes.index(node_name()),
+            num_tasks=len(nodes),
+            num_nodes=len(nodes),
+        )
 
     def _context(self, job_id: str) -> dict[str, object]:
         return {"run_id": self.run_id, "attempt": self.attempt, "job_id": job_id}

@@ -92,6 +92,32 @@ ROLLS_BACK = frozenset({RemedyKind.ROLLBACK, RemedyKind.EXCLUDE_NODE})
 RESTARTS_IN_JOB = frozenset({RemedyKind.RESTART, RemedyKind.ROLLBACK})
 
 
+@dataclass(frozen=True)
+class InJob:
+    """Where a remedy's next attempt starts inside the running job: the job, and the nodes
+    that run its ranks (empty: the same as before; else a spare in place of a bad node)."""
+
+    job_id: str
+    nodes: tuple[str, ...] = ()
+
+
+def swap_in_spares(
+    active: Sequence[str], job_nodes: Sequence[str], bad: Sequence[str], excluded: Sequence[str]
+) -> tuple[str, ...] | None:
+    """`active` with each bad node replaced, in its place (rank order kept), by a node of the
+    job that runs no ranks and is neither bad nor excluded; None when the spares run short."""
+    out = set(bad) | set(excluded)
+    spares = [n for n in job_nodes if n not in active and n not in out]
+    nodes = []
+    for node in active:
+        if node in bad:
+            if not spares:
+                return None
+            node = spares.pop(0)
+        nodes.append(node)
+    return tuple(nodes)
+
+
 def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[list[int]]:
     """Union of half-open ranges, sorted, as JSON lists; re-applying a skip changes nothing."""
     return [list(r) for r in anomalies.merge_ranges((a, b) for a, b in ranges)]
@@ -116,6 +142,9 @@ class ActContext:
     step: int | None = None
     #: The job holds its nodes now (SLURM says RUNNING): a restart may happen inside it.
     job_running: bool = False
+    #: Every node the job holds, spares (`resources.spare_nodes`) included; `attempt_nodes`
+    #: are those that run the attempt's ranks.
+    job_nodes: tuple[str, ...] = ()
     attempt_nodes: tuple[str, ...] = ()
     incident_id: int | None = None
     resume_from: int | None = None  # newest complete checkpoint on disk now
@@ -458,44 +487,54 @@ class Actuator:
         )
         return True
 
-    def _in_job(self, ctx: ActContext, remedy: Remedy, run: Run) -> str | None:
-        """The job the remedy's next attempt starts inside, or None to resubmit.
+    def _in_job(self, ctx: ActContext, remedy: Remedy, run: Run) -> InJob | None:
+        """Where the remedy's next attempt starts inside the running job, or None to resubmit.
 
         Once decided, the decision stands: a remedy resumed after a crash finds its in-job
         start recorded (keyed by the next attempt) and finishes it, whatever the job looks
-        like now. Otherwise: a remedy that indicts no node, on a run that allows it, while its
-        job holds its nodes."""
+        like now. Otherwise, on a run that allows it, while its job holds its nodes: a remedy
+        that indicts no node, or a node exclusion that the job's spares can stand in for."""
         with self.db.session() as s:
             begun = s.scalar(
-                select(Action.target).where(
+                select(Action).where(
                     Action.run_id == ctx.run_id,
                     Action.attempt == ctx.attempt + 1,
                     Action.kind == ActionKind.RESTART_IN_JOB.value,
                 )
             )
         if begun is not None:
-            return str(begun)
+            return InJob(begun.target, tuple(begun.evidence_json.get("nodes", ())))
         spec = RunSpec.model_validate(run.spec_json)
-        eligible = (
-            remedy.kind in RESTARTS_IN_JOB
-            and spec.recovery.restart_in_job
-            and ctx.job_running
-            and ctx.job_id is not None
-        )
-        return ctx.job_id if eligible else None
+        if not (spec.recovery.restart_in_job and ctx.job_running and ctx.job_id):
+            return None
+        if remedy.kind in RESTARTS_IN_JOB:
+            # with spares, every order names its nodes: the job's nodes are not all the ranks'
+            return InJob(ctx.job_id, ctx.attempt_nodes if spec.resources.spare_nodes else ())
+        if remedy.kind is RemedyKind.EXCLUDE_NODE and spec.resources.spare_nodes:
+            nodes = swap_in_spares(
+                ctx.attempt_nodes, ctx.job_nodes, remedy.exclude_nodes, run.excluded_nodes_json
+            )
+            if nodes is not None:
+                return InJob(ctx.job_id, nodes)
+        return None
 
     def restart_in_job(
-        self, ctx: ActContext, job_id: str, *, resume_step: int | None, reason: str
+        self, ctx: ActContext, where: InJob, *, resume_step: int | None, reason: str
     ) -> str | None:
         """Start attempt `ctx.attempt + 1` inside the running job, exactly once: end the
         current attempt, record the next one on the same job, then publish the order its
         node tasks act on (each step idempotent). Returns the job id."""
-        number = ctx.attempt + 1
+        number, job_id = ctx.attempt + 1, where.job_id
         with self.db.session() as s:
             run = store.get_run(s, ctx.run_id)
         skips = tuple((int(a), int(b)) for a, b in merge_ranges(run.skip_ranges_json))
-        evidence = {"job_id": job_id, "reason": reason, "resume_step": resume_step,
-                    "skip_ranges": [list(r) for r in skips]}  # fmt: skip
+        evidence = {
+            "job_id": job_id,
+            "reason": reason,
+            "resume_step": resume_step,
+            "skip_ranges": [list(r) for r in skips],
+            "nodes": list(where.nodes),
+        }
         key = self._begin(ctx.run_id, number, ActionKind.RESTART_IN_JOB, job_id, evidence)
         if key is None:
             return job_id
@@ -518,6 +557,7 @@ class Actuator:
                     job_id=job_id,
                     resume_step=resume_step,
                     skip_ranges=[list(r) for r in skips],
+                    nodes=list(where.nodes),
                 )
         spec = RunSpec.model_validate(run.spec_json)
         mtbf = self._mtbf(ctx.run_id, spec) if spec.checkpoint.interval_auto else None
@@ -527,6 +567,7 @@ class Actuator:
             resume_step=resume_step,
             skip_ranges=skips,
             mtbf_seconds=mtbf[0] if mtbf else None,
+            nodes=where.nodes,
         )
         control = job_control_dir(run_dir(self.config.home, ctx.run_id), job_id)
         try:

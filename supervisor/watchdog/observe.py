@@ -31,8 +31,8 @@ from contracts.checkpoints import (
     list_checkpoints,
     read_save_timing,
 )
-from contracts.paths import attempt_log_dir, checkpoint_dir
-from contracts.restart import failed_exit, read_exit_codes
+from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
+from contracts.restart import failed_exit, job_control_dir, read_exit_codes, read_order
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
@@ -246,6 +246,17 @@ class Observer:
             exit_code=code,
             reason=f"ranks failed (exit {code}); the job waits for a restart order",
         )
+
+    def active_nodes(
+        self, run: Run, attempt: Attempt, spec: RunSpec, job_nodes: Sequence[str]
+    ) -> tuple[str, ...]:
+        """The job's nodes that run the attempt's ranks: those its restart order named, else
+        the job's first `resources.nodes`; the rest are spares (`resources.spare_nodes`)."""
+        if attempt.job_id:
+            order = read_order(job_control_dir(run_dir(self.home, run.id), attempt.job_id))
+            if order is not None and order.attempt == attempt.number and order.nodes:
+                return order.nodes
+        return tuple(job_nodes[: spec.resources.nodes])
 
     def log_cause(
         self, run: Run, attempt: Attempt, status: JobStatus | None, view: MetricsView

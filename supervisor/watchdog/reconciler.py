@@ -17,6 +17,7 @@ exports. One run's failure is logged and isolated; each run's reconcile ends in 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -323,6 +324,10 @@ class Reconciler:
             lost_after_s=self.config.lost_after_s,
             log_cause=self.observer.log_cause(run, attempt, status, view),
         )
+        job_nodes = job.nodes
+        if spec.resources.spare_nodes and job.nodes:
+            active = self.observer.active_nodes(run, attempt, spec, job.nodes)
+            job = dataclasses.replace(job, nodes=active)
         # record what was seen (the attempt's state before anything is decided from it)
         recovered = self.ledger.record_observation(
             run, attempt, job, view, unrecorded=disk.unrecorded, incidents=incidents, now=now
@@ -401,6 +406,7 @@ class Reconciler:
             job_active=active_job,
             step=step,
             job_running=job_running,
+            job_nodes=job_nodes,
             attempt_nodes=job.nodes or tuple(attempt.nodes_json or ()),
             incident_id=incident_id,
             resume_from=disk.step,

@@ -89,3 +89,26 @@ def test_without_an_order_the_job_ends_with_the_ranks_failure(slurm, tmp_path, t
     done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
     assert done.state is JobState.FAILED, done
     assert (0, 9) in _exits(plan.log_dir, job)  # recorded by its node task (it could not)
+
+
+def test_a_spare_node_takes_a_bad_nodes_place_inside_the_job(slurm, tmp_path, toy_spec, toy_plan):
+    spec = _spec(toy_spec, "injob-spare")
+    resources = spec.resources.model_copy(update={"spare_nodes": 1})
+    spec = spec.model_copy(update={"resources": resources})
+    plan = _plan(toy_plan, tmp_path, spec)
+    job = launcher.submit(slurm, plan).job_id
+    running = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60)
+    first, bad, spare = running.nodes
+    wait_until("step 4 saved", lambda: latest(plan.checkpoint_dir) >= 4, 90)
+    text = "".join(tail(p) for p in (plan.log_dir / job).glob(f"{job}_*_log.out"))
+    assert f"on {spare}" not in text and f"on {bad}" in text  # the spare ran no rank
+    a2 = tmp_path / "logs-a2"
+    order = RestartOrder(attempt=2, log_dir=str(a2), resume_step=4, nodes=(first, spare))
+    write_order(job_control_dir(tmp_path / "run", job), order)
+    done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
+    assert done.state is JobState.COMPLETED, done  # the node left idle ended cleanly too
+    text = "".join(tail(p) for p in (a2 / job).glob(f"{job}_*_log.out"))
+    assert sorted(re.findall(r"rank \d/4 on (\w+) starts at step 4", text)) == sorted(
+        [first, first, spare, spare]
+    )
+    assert latest(plan.checkpoint_dir) == 16

@@ -6,6 +6,7 @@ tests/launcher/test_cluster_restart_in_job.py."""
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from sqlalchemy import select
 from watchdog_curves import Faults, simulate
 from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
 
+from contracts import anomalies
 from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
 from contracts.restart import exit_code_path, job_control_dir, read_order
 from contracts.spec import RunSpec
@@ -34,9 +36,11 @@ def make(db: Database, tmp_path: Path, cluster: FakeCluster, source: FakeSource)
     return Reconciler(db, cluster, source, config, registry=CollectorRegistry())
 
 
-def running(db: Database, tmp_path: Path, spec: dict = SPEC) -> tuple:
-    """A run submitted and running as attempt 1 on n1, n2."""
-    cluster, source = FakeCluster(), FakeSource()
+def running(
+    db: Database, tmp_path: Path, spec: dict = SPEC, nodes: tuple[str, ...] = ("n1", "n2")
+) -> tuple:
+    """A run submitted and running as attempt 1 on `nodes`."""
+    cluster, source = FakeCluster(nodes_per_job=nodes), FakeSource()
     rec = make(db, tmp_path, cluster, source)
     with db.write_session() as s:
         run_id = store.create_run(s, RunSpec.model_validate(spec))[0].id
@@ -168,3 +172,63 @@ def test_a_supervisor_killed_mid_restart_finishes_it_once(
     order = read_order(job_control_dir(run_dir(tmp_path / "home", run_id), job))
     assert order is not None and order.attempt == 2
     assert get_run(db, run_id).state in (RunState.RECOVERING, RunState.RUNNING)
+
+
+SPARE_SPEC = copy.deepcopy(SPEC)
+SPARE_SPEC["resources"] = {**SPEC["resources"], "spare_nodes": 1}
+
+
+def nan_on(ckpt: Path, node: str, steps: tuple[int, ...]) -> None:
+    """The trainer's records: `node` made NaN gradients (finite losses) at `steps`."""
+    for step in steps:
+        anomalies.append(
+            ckpt,
+            anomalies.Anomaly(
+                1, step, anomalies.NONFINITE, (), (node,), consumed=(8 * step - 8, 8 * step),
+                update_skipped=True, t=time.time() - 60 + step,
+            ),
+        )  # fmt: skip
+
+
+def test_swap_in_spares_keeps_rank_order_and_runs_short_honestly() -> None:
+    job = ("n1", "n2", "n3", "n4")
+    assert actions.swap_in_spares(("n1", "n2"), job, ("n1",), ()) == ("n3", "n2")
+    assert actions.swap_in_spares(("n1", "n2"), job, ("n2",), ("n3",)) == ("n1", "n4")
+    assert actions.swap_in_spares(("n1", "n2"), job, ("n1", "n2"), ("n3",)) is None
+
+
+def test_a_bad_node_is_swapped_for_the_jobs_spare_inside_the_job(
+    db: Database, tmp_path: Path
+) -> None:
+    rec, cluster, source, run_id, job = running(db, tmp_path, SPARE_SPEC, ("n1", "n2", "n3"))
+    assert cluster.submitted[-1][1].nodes == 3  # two that train and one spare
+    assert attempts(db, run_id)[0].nodes_json == ["n1", "n2"]  # the spare runs no ranks
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(SPARE_SPEC))
+    write_checkpoint(ckpt, 50, 400)
+    source.samples[(run_id, 1)] = simulate(1, steps=70, steps_per_sample=2)
+    nan_on(ckpt, "n2", (61, 62))
+    remedy = rec.tick().remedies[run_id]
+    assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == ("n2",)
+    assert cluster.cancelled == [] and len(cluster.submitted) == 1  # no queue wait
+    order = read_order(job_control_dir(run_dir(tmp_path / "home", run_id), job))
+    assert order is not None and order.attempt == 2 and order.nodes == ("n1", "n3")
+    assert order.resume_step == 50
+    second = attempts(db, run_id)[-1]
+    assert second.job_id == job and second.nodes_json == ["n1", "n3"]
+    assert get_run(db, run_id).excluded_nodes_json == ["n2"]  # the next sbatch avoids it
+    rec.tick()
+    assert attempts(db, run_id)[-1].nodes_json == ["n1", "n3"]
+
+
+def test_a_bad_node_without_a_spare_left_resubmits(db: Database, tmp_path: Path) -> None:
+    rec, cluster, source, run_id, job = running(db, tmp_path, SPARE_SPEC, ("n1", "n2", "n3"))
+    with db.write_session() as s:
+        store.update_run(s, run_id, excluded_nodes_json=["n3"])  # the spare went bad before
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(SPARE_SPEC))
+    write_checkpoint(ckpt, 50, 400)
+    source.samples[(run_id, 1)] = simulate(1, steps=70, steps_per_sample=2)
+    nan_on(ckpt, "n2", (61, 62))
+    cluster.nodes_per_job = ("n1", "n2", "n3", "n4", "n5")  # free nodes for the new job
+    assert rec.tick().remedies[run_id].kind is RemedyKind.EXCLUDE_NODE
+    assert cluster.cancelled == [job] and len(cluster.submitted) == 2
+    assert in_job_actions(db, run_id) == []
