@@ -359,6 +359,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--faults", nargs="*", default=[], choices=sorted(FAULTS))
     parser.add_argument(
+        "--spare-nodes", type=int, default=0,
+        help="resources.spare_nodes of the fault runs (in_job path): a node fault moves there",
+    )  # fmt: skip
+    parser.add_argument(
         "--restart-paths", nargs="+", default=["in_job"], choices=sorted(RESTART_PATHS),
         help="run each fault once per path (in_job: restart inside the job; resubmit: sbatch)",
     )  # fmt: skip
@@ -392,7 +396,10 @@ def main() -> None:
             for path in args.restart_paths:
                 sections = dict(FAULTS[fault])
                 nodes = sections.pop("nodes", 1)
-                sections["recovery"] = {"restart_in_job": RESTART_PATHS[path]}
+                in_job = RESTART_PATHS[path]
+                sections["recovery"] = {"restart_in_job": in_job}
+                if in_job and args.spare_nodes:
+                    sections["resources"] = {"spare_nodes": args.spare_nodes}
                 spec = gpu_spec(f"gpu-{fault}-{path}", s.data, args, nodes, per_node, **sections)
                 results["runs"].append(one_run(s, f"{fault}/{path}", spec, args.run_timeout))
                 (args.out / "result.json").write_text(json.dumps(results, indent=2))
