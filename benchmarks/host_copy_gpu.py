@@ -10,7 +10,11 @@ training thread is held, and how much slower the steps that run beside the copy 
 * `clone_pageable_thread`: clone the state on the device (one device-to-device copy, the only
   wait), then a thread copies the clone into pageable host memory while training goes on;
 * `pageable_thread`: a thread copies the live state into pageable memory (unsafe for a real
-  save, which the optimizer's update would race; shows what a pageable copy costs by itself).
+  save, which the optimizer's update would race; shows what a pageable copy costs by itself);
+* `register_touched`: page-lock (cudaHostRegister) host memory whose pages were already
+  touched (as memory another process, e.g. the node task, filled beforehand would be), then
+  copy into it: the part of pinning that is not page allocation;
+* `register_shm`: the same with a shared-memory file (/dev/shm) filled by another process.
 
 Training is a stand-in: bf16 matmuls on the default stream, timed per step.
 
@@ -98,6 +102,49 @@ def run(way: str, tensors: list[torch.Tensor], trainer: Trainer, pinned: list) -
             "step_sum_s": round(sum(times), 3)}  # fmt: skip
 
 
+def register(way: str, tensors: list[torch.Tensor]) -> dict:
+    """Page-lock already-populated host memory, then copy the state into it."""
+    import mmap
+    import os
+    import subprocess
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if way == "register_shm":
+        path = "/dev/shm/nw-host-copy"
+        count = -(-nbytes // (64 << 20))
+        dd = ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}"]
+        subprocess.run(dd, check=True, capture_output=True)
+        fd = os.open(path, os.O_RDWR)
+        buf = mmap.mmap(fd, nbytes)
+        os.close(fd)
+        host = torch.frombuffer(buf, dtype=torch.uint8)
+        populate = time.perf_counter()
+        host[::4096].zero_()  # map this process's page tables (the pages exist already)
+        mapped_s = time.perf_counter() - populate
+    else:
+        host = torch.zeros(nbytes, dtype=torch.uint8)
+        mapped_s = 0.0
+    cudart = torch.cuda.cudart()
+    t0 = time.perf_counter()
+    err = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
+    register_s = time.perf_counter() - t0
+    views, offset = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        views.append(host[offset : offset + n].view(t.dtype).view(t.shape))
+        offset += n
+    t0 = time.perf_counter()
+    for v, t in zip(views, tensors, strict=True):
+        v.copy_(t, non_blocking=True)
+    torch.cuda.synchronize()
+    copy_s = time.perf_counter() - t0
+    cudart.cudaHostUnregister(host.data_ptr())
+    if way == "register_shm":
+        os.unlink("/dev/shm/nw-host-copy")
+    return {"way": way, "error": int(err), "map_s": round(mapped_s, 3),
+            "held_s": round(register_s, 3), "copy_s": round(copy_s, 3)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=17.0)
@@ -114,6 +161,10 @@ def main() -> None:
     for way in ("pageable_thread", "clone_pageable_thread", "pin", "pinned_reuse"):
         r = run(way, tensors, trainer, pinned)
         r["extra_step_s"] = round(r["step_sum_s"] - r["steps_beside"] * result["step_alone_s"], 3)
+        result["ways"].append(r)
+        print(json.dumps(r), flush=True)
+    for way in ("register_touched", "register_shm"):
+        r = register(way, tensors)
         result["ways"].append(r)
         print(json.dumps(r), flush=True)
     if args.out:
