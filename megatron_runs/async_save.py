@@ -109,10 +109,8 @@ class HostBuffers:
             self._registered.append(flat)
             offset = 0
             for i in members:
-                t = tensors[i]
-                n = t.numel() * t.element_size()
-                views[i] = flat[offset : offset + n].view(t.dtype).view(t.shape)
-                offset += _aligned(n, self.ALIGN)
+                views[i] = _tensor_at(flat.data_ptr() + offset, tensors[i])
+                offset += _aligned(tensors[i].numel() * tensors[i].element_size(), self.ALIGN)
         self._tensors = [v for v in views if v is not None]
         return self._tensors
 
@@ -122,6 +120,17 @@ class HostBuffers:
         for flat in self._registered:
             cudart.cudaHostUnregister(flat.data_ptr())
         self._registered = []
+
+
+def _tensor_at(address: int, like: torch.Tensor) -> torch.Tensor:
+    """A host tensor shaped like `like` over the bytes at `address`, with a storage of its own
+    size: megatron's writer saves each tensor's whole storage, so a slice of a shared chunk
+    would write the chunk (and fail its size check). The chunk must outlive it."""
+    n = like.numel() * like.element_size()
+    if n == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    raw = (ctypes.c_char * n).from_address(address)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(like.dtype).view(like.shape)
 
 
 def _aligned(n: int, align: int) -> int:
