@@ -32,6 +32,7 @@ that never looks complete.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import signal
 import threading
@@ -55,8 +56,9 @@ class HostBuffers:
     on an H200): `cudaHostAlloc` (torch's `pin_memory=True`) held the loop 8-10 s, because it
     allocates and zeroes every page while it holds the CUDA driver's lock; page-locking memory
     whose pages exist already (`cudaHostRegister`) took 0.7-0.9 s. So `register` first faults
-    in pageable memory (kernel work that takes no CUDA lock), then registers it in chunks of
-    at most `CHUNK_BYTES`, each tensor inside one chunk, so no single call holds the lock long.
+    in shared anonymous memory (kernel work that takes no CUDA lock), then registers it in
+    chunks of at most `CHUNK_BYTES`, each tensor inside one chunk, so no single call holds the
+    lock long.
     """
 
     #: The most bytes one `cudaHostRegister` call page-locks.
@@ -101,8 +103,11 @@ class HostBuffers:
         views: list[torch.Tensor | None] = [None] * len(tensors)
         cudart = torch.cuda.cudart()
         for members, size in zip(chunks, sizes, strict=True):
-            flat = torch.empty(max(size, 1), dtype=torch.uint8)
-            flat[:: mmap_page()].zero_()  # fault every page in: no CUDA lock held
+            # Shared, not private: a private page that is page-locked is copied when the rank
+            # forks its writer (17 GiB: 5-8 s in the poll that forks), a shared one is not.
+            region = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+            flat = torch.frombuffer(region, dtype=torch.uint8)
+            flat[:: mmap.PAGESIZE].zero_()  # fault every page in: no CUDA lock held
             code = cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
             if int(code) != 0:
                 raise RuntimeError(f"cudaHostRegister of {flat.numel()} bytes failed: {code}")
@@ -135,10 +140,6 @@ def _tensor_at(address: int, like: torch.Tensor) -> torch.Tensor:
 
 def _aligned(n: int, align: int) -> int:
     return -(-n // align) * align
-
-
-def mmap_page() -> int:
-    return os.sysconf("SC_PAGE_SIZE")
 
 
 def _layout(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Size, torch.dtype]]:
