@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -153,8 +154,9 @@ class TrainingTask:
                 if order is None:
                     return exitcodes.OK
             else:
+                ranks = rank_infos(placed, task.ranks_per_task)
                 code = fork_ranks(
-                    rank_infos(placed, task.ranks_per_task),
+                    ranks,
                     functools.partial(task._rank, early=early),
                     _leave,
                     interrupt=watch.newer if watch else None,
@@ -174,6 +176,17 @@ class TrainingTask:
             task = task._ordered(order, info.job_id)
             log.info("restart in job: attempt %d from step %s", order.attempt,
                      order.resume_step, extra=task._context(info.job_id))  # fmt: skip
+
+    def _outcome(self, info: TaskInfo, ranks: Sequence[TaskInfo], code: int) -> int:
+        """The node's outcome, with its ranks' codes of the attempt it ends with copied into
+        the job's own folder: the job's record of how its tasks ended (the local executor's
+        only one) is the last attempt's, not the first's."""
+        if self.job_folder is not None and info.folder:
+            mine = {r.global_rank for r in ranks}
+            for rank, rank_code in read_exit_codes(Path(self.job_folder), info.job_id):
+                if rank in mine:
+                    exit_code_path(Path(info.folder), info.job_id, rank).write_text(str(rank_code))
+        return code
 
     def _spare(self, info: TaskInfo, watch: OrderWatch) -> RestartOrder | None:
         """Idle through an attempt that runs on other nodes: the next order (which may use
