@@ -165,13 +165,13 @@ class TrainingTask:
                 order = watch.order if watch else None
                 if code is not None:
                     if watch is None or code in exitcodes.CLEAN_EXITS:
-                        return code
+                        return task._outcome(info, ranks, code)
                     context = task._context(info.job_id)
                     log.warning("ranks failed (exit %d): waiting %.0f s for a restart order",
                                 code, task.restart_wait_s, extra=context)  # fmt: skip
                     order = watch.wait(task.restart_wait_s)
                     if order is None:
-                        return code
+                        return task._outcome(info, ranks, code)
             assert order is not None
             task = task._ordered(order, info.job_id)
             log.info("restart in job: attempt %d from step %s", order.attempt,

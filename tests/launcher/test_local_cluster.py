@@ -135,3 +135,21 @@ def test_the_submission_folder_is_private_to_the_supervisor(tmp_path):
     assert any(p.suffix == ".pkl" for p in made), made
     for path in made:
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+
+
+def test_a_job_restarted_inside_ends_with_its_last_attempts_outcome(tmp_path, toy_spec, toy_plan):
+    """The local executor reads a job's outcome from the exit codes in the job's folder: after
+    a restart inside the job they must be the last attempt's, or a job whose last attempt
+    finished reads as killed (`contracts.restart`)."""
+    from contracts.restart import RestartOrder, job_control_dir, write_order
+
+    cluster = LocalCluster()
+    spec = toy_spec("local-injob", steps=12, nodes=1, per_node=2, interval=2)
+    plan = toy_plan(tmp_path, spec, run_dir=tmp_path / "run")
+    sub = launcher.submit(cluster, plan)
+    wait_until("step 4 saved", lambda: latest(plan.checkpoint_dir) >= 4, 60)
+    order = RestartOrder(attempt=2, log_dir=str(tmp_path / "logs-a2"), resume_step=2)
+    write_order(job_control_dir(tmp_path / "run", sub.job_id), order)
+    done = wait_for(cluster, sub.job_id, lambda s: s.state.terminal, timeout_s=60)
+    assert done.state is JobState.COMPLETED and done.exit_code == 0, done
+    assert latest(plan.checkpoint_dir) == 12
