@@ -43,7 +43,6 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
-
 def log_events(text: str) -> list[dict]:
     """The trainer's JSON-lines events in a rank's log (other output, torn lines skipped)."""
     out = []
@@ -54,6 +53,7 @@ def log_events(text: str) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return out
+
 
 @dataclass
 class LocalRun:

@@ -105,7 +105,7 @@ def shrink(spec: RunSpec, gpus: int = 0, max_ranks: int = MAX_RANKS) -> SmokePla
                     "log_interval": 1,
                 }
             ),
-            "data": spec.data.model_copy(update={"prefix": None, "tokenizer": None}),
+            "data": spec.data.model_copy(update={"prefix": None, "blend": None, "tokenizer": None}),
             "checkpoint": spec.checkpoint.model_copy(
                 update={"interval_steps": RESUME_AT, "dir": None}
             ),
