@@ -46,6 +46,8 @@ class ReportData:
     actions: Sequence[Row] = ()
     checkpoints: Sequence[Row] = ()
     loss: Sequence[LossPoint] = ()
+    #: The validation loss (the trainer's `eval` lines), source "eval".
+    eval_loss: Sequence[LossPoint] = ()
     global_batch_size: int = 1
     now: float = 0.0
 
@@ -105,6 +107,7 @@ class Report:
     timeline: list[TimelineEntry]
     windows: list[Window]
     loss: list[LossPoint] = field(default_factory=list)
+    eval_loss: list[LossPoint] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +123,7 @@ class Report:
             "timeline": [TimelineEntry(**e) for e in data["timeline"]],
             "windows": [Window(**w) for w in data["windows"]],
             "loss": [LossPoint(**p) for p in data["loss"]],
+            "eval_loss": [LossPoint(**p) for p in data.get("eval_loss", ())],
         }
         return cls(**{**data, **nested})
 
@@ -440,6 +444,9 @@ def build_report(data: ReportData) -> Report:
         timeline=timeline,
         windows=windows,
         loss=loss,
+        eval_loss=sorted(
+            (p for p in data.eval_loss if math.isfinite(p.loss)), key=lambda p: (p.t or 0.0, p.step)
+        ),
     )
 
 
@@ -483,6 +490,12 @@ def render_text(report: Report) -> str:
         "Timeline (UTC)",
     ]
     out += [f"  {_fmt_clock(e.t)}  {e.what:<9} {e.text}" for e in report.timeline] or ["  -"]
+    if report.eval_loss:
+        out += ["", "Validation loss", f"  {'step':>8}  {'attempt':>7}  loss"]
+        out += [
+            f"  {p.step:>8}  {'-' if p.attempt is None else p.attempt:>7}  {p.loss:.4f}"
+            for p in report.eval_loss
+        ]
     if report.incidents:
         header = f"  {'kind':<20} {'remedy':<15} {'detect':<8} {'MTTR':<8} {'lost':<5} state"
         out += ["", "Incidents", header]
