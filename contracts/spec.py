@@ -346,6 +346,14 @@ class RecoverySpec(_Strict):
         description="A restart after which the run trained this many steps past where it was "
         "decided cured its fault: it no longer counts toward the restart storm.",
     )
+    eval_jump_ratio: float = Field(
+        default=0.1,
+        gt=0,
+        le=1e6,
+        description="A resumed attempt's first validation loss above (1 + ratio) × the one its "
+        "checkpoint recorded (or non-finite) is an eval_jump: escalated, as the rollback did "
+        "not restore the run's state (training.eval_interval).",
+    )
     max_rollbacks_per_incident: PositiveInt = 2
     max_excluded_nodes: NonNegativeInt = 2
     drain_excluded_nodes: bool = False
