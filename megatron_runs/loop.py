@@ -250,8 +250,10 @@ def _evaluate(spec: RunSpec, tr: Trainer, plan: _Plan, step: int) -> float:
     t = spec.training
     assert tr.valid is not None  # the spec's validator: eval_interval needs a valid split
     t0 = time.perf_counter()
-    # As Megatron-LM's evaluate: no overlapped parameter gather inside the forward-only passes.
-    overlapped = [c for c in tr.model if c.ddp_config.overlap_param_gather]
+    # As Megatron-LM's train loop around evaluate: the overlapped param all-gather's hooks off
+    # (finishing the gather) for the forward-only passes, back on for the next step. GPU only
+    # (distributed optimizer, DP > 1); the CPU tests do not reach it.
+    overlapped = [c for c in tr.model if getattr(c, "use_forward_hook", False)]
     for chunk in overlapped:
         chunk.disable_forward_pre_hook(param_sync=True)
     for chunk in tr.model:
