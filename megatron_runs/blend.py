@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from contracts.spec import RunSpec
 
@@ -65,6 +66,24 @@ def _tokens(sample: dict) -> np.ndarray:
     return np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
 
 
+def _every_split_has_documents(
+    prefixes: list[str], split_matrix: list[tuple[float, float] | None], split: str | None
+) -> None:
+    """Megatron cuts each dataset's documents at round(bound × count); a split left without
+    documents has no tokens, and GPTDataset then counts epochs forever. Refuse it, named."""
+    for prefix in prefixes:
+        count = len(IndexedDataset(prefix))
+        for name, bounds in zip(("train", "valid"), split_matrix, strict=False):
+            if bounds is None:
+                continue
+            docs = round(bounds[1] * count) - round(bounds[0] * count)
+            if docs < 1:
+                raise ValueError(
+                    f"data.split {split!r} leaves the {name} split of {prefix} without documents "
+                    f"(it has {count}): give that split a larger share"
+                )
+
+
 def build(
     spec: RunSpec, demo_prefix: str | None = None
 ) -> tuple[MegatronSplit, MegatronSplit | None]:
@@ -95,8 +114,7 @@ def build(
             create_attention_mask=False,
         )
         sizes = [t.train_steps * batch, t.eval_iters * batch if valid > 0 else 0, 0]
+        _every_split_has_documents(prefixes, config.split_matrix, data.split)
         splits = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
-    if valid > 0 and (splits[1] is None or len(splits[1]) < sizes[1]):
-        raise ValueError(f"data.split {data.split!r} leaves no valid documents")
     seq = spec.model.seq_length
     return MegatronSplit(seq, splits[0]), MegatronSplit(seq, splits[1]) if valid > 0 else None

@@ -14,11 +14,9 @@ One scenario, shared by the tests below:
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
-import numpy as np
 import pytest
-from train_helpers import spec_dict
+from train_helpers import halves, spec_dict
 
 from contracts import checkpoints
 
@@ -26,26 +24,6 @@ pytestmark = pytest.mark.timeout(600)
 
 POISON = {"kind": "poison_data", "start_sample": 40, "end_sample": 48, "effect": "nan"}
 SKIP = ["--skip", "40:48"]
-
-
-def _halves(source: str, out: Path) -> list[str]:
-    """The demo corpus's documents split by parity into two indexed datasets."""
-    from megatron_runs.cpu_compat import stub_triton_kernels
-
-    stub_triton_kernels()  # importing megatron.core needs it where triton is absent
-    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-
-    ds = IndexedDataset(source)
-    prefixes = []
-    for part in (0, 1):
-        prefix = str(out / f"half{part}")
-        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=ds.index.dtype)
-        for i in range(part, len(ds), 2):
-            doc = np.asarray(ds[i])
-            builder.add_document(doc, [len(doc)])
-        builder.finalize(prefix + ".idx")
-        prefixes.append(prefix)
-    return prefixes
 
 
 def _spec(name: str, prefixes: list[str], eval_interval: int = 2) -> dict:
@@ -66,7 +44,7 @@ def _evals(run, rank: int = 0) -> dict[int, float]:
 def scenario(run_train, nw_home, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("blend")
     demo = next((nw_home / "data").glob("demo-*/text_document.idx"))
-    prefixes = _halves(str(demo.with_suffix("")), root)
+    prefixes = halves(str(demo.with_suffix("")), root)
     out: dict = {"root": root}
     ref = run_train(_spec("blend_ref", prefixes), root / "ref", SKIP)
     no_eval = run_train(
