@@ -137,9 +137,10 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
                 was=checkpoints.interval, mtbf_seconds=round(checkpoints.mtbf_seconds),
             )  # fmt: skip
             checkpoints.interval = done.interval
-        if t.eval_interval and done.step % t.eval_interval == 0:
-            tr.last_eval = (done.step, _evaluate(spec, tr, plan, done.step))
         stop_requested = done.signum > 0
+        # Not on a stop signal: its lead time is the checkpoint's (the curve misses one point).
+        if t.eval_interval and done.step % t.eval_interval == 0 and not stop_requested:
+            tr.last_eval = (done.step, _evaluate(spec, tr, plan, done.step))
         if done.step % checkpoints.interval == 0 or done.step >= target or stop_requested:
             finish_param_gather(tr.model)
             checkpoints.save(

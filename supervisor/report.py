@@ -491,11 +491,8 @@ def render_text(report: Report) -> str:
     ]
     out += [f"  {_fmt_clock(e.t)}  {e.what:<9} {e.text}" for e in report.timeline] or ["  -"]
     if report.eval_loss:
-        out += ["", "Validation loss", f"  {'step':>8}  {'attempt':>7}  loss"]
-        out += [
-            f"  {p.step:>8}  {'-' if p.attempt is None else p.attempt:>7}  {p.loss:.4f}"
-            for p in report.eval_loss
-        ]
+        out += ["", "Validation loss (per attempt: its evaluations, first, best and last)"]
+        out += [_eval_line(attempt, points) for attempt, points in _by_attempt(report.eval_loss)]
     if report.incidents:
         header = f"  {'kind':<20} {'remedy':<15} {'detect':<8} {'MTTR':<8} {'lost':<5} state"
         out += ["", "Incidents", header]
@@ -506,6 +503,24 @@ def render_text(report: Report) -> str:
                 f"{'-' if i.steps_lost is None else i.steps_lost:<5} {i.state}"
             )
     return "\n".join(out) + "\n"
+
+
+def _by_attempt(points: Iterable[LossPoint]) -> list[tuple[int | None, list[LossPoint]]]:
+    groups: dict[int | None, list[LossPoint]] = {}
+    for p in points:
+        groups.setdefault(p.attempt, []).append(p)
+    return sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+
+
+def _eval_line(attempt: int | None, points: list[LossPoint]) -> str:
+    """One attempt's evaluations on one line: a long run evaluates thousands of times."""
+    first, last = points[0], points[-1]
+    best = min(points, key=lambda p: p.loss)
+    return (
+        f"  attempt {'-' if attempt is None else attempt}: {len(points)} at steps "
+        f"{first.step}-{last.step}, first {first.loss:.4f}, best {best.loss:.4f} "
+        f"(step {best.step}), last {last.loss:.4f}"
+    )
 
 
 def loss_from_checkpoints(checkpoints: Iterable[Row]) -> list[LossPoint]:

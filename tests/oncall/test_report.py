@@ -244,7 +244,8 @@ def test_validation_loss_is_listed_and_round_trips() -> None:
     assert [(p.step, p.loss) for p in report.eval_loss] == [(10, 6.5), (20, 6.0)]  # NaN: none
     text = render_text(report)
     assert "Validation loss" in text
-    assert "      10        1  6.5000" in text and "      20        1  6.0000" in text
+    line = "  attempt 1: 2 at steps 10-20, first 6.5000, best 6.0000 (step 20), last 6.0000\n"
+    assert line in text
     again = Report.from_dict(json.loads(report.to_json()))
     assert again.eval_loss == report.eval_loss
     assert "Validation loss" not in render_text(build_report(scenario()))
