@@ -5,10 +5,9 @@ schedule and its all-reduce over data-parallel ranks).
 One scenario, shared by the tests below:
 * `reference`: 8 steps, evaluation every 2 steps, samples [40, 48) skipped from the start
   (they are poisoned: the run a clean operator would have made);
-* `no_eval`: the same spec without evaluations, stopped after step 4;
-* `faulty`: the same spec without the skip, stopped after step 6 (its step 6 read the
-  poison), checkpoints at 4 and 6;
-* `rollback`: attempt 1 on faulty's directory from step 4 with skip 40:48.
+* `faulty`: the same spec without evaluations and without the skip, stopped after step 6 (its
+  step 6 read the poison), checkpoints at 4 and 6;
+* `rollback`: attempt 1 on faulty's directory from step 4 with skip 40:48, evaluating again.
 """
 
 from __future__ import annotations
@@ -47,14 +46,10 @@ def scenario(run_train, nw_home, tmp_path_factory) -> dict:
     prefixes = halves(str(demo.with_suffix("")), root)
     out: dict = {"root": root}
     ref = run_train(_spec("blend_ref", prefixes), root / "ref", SKIP)
-    no_eval = run_train(
-        _spec("blend_no_eval", prefixes, eval_interval=0),
-        root / "no_eval",
-        [*SKIP, "--stop-at-step", "4"],
-    )
     out["reference_codes"], out["reference"] = ref.wait(300), ref
-    out["no_eval_codes"], out["no_eval"] = no_eval.wait(300), no_eval
-    faulty = run_train(_spec("blend_faulty", prefixes), root / "faulty", ["--stop-at-step", "6"])
+    faulty = run_train(
+        _spec("blend_faulty", prefixes, eval_interval=0), root / "faulty", ["--stop-at-step", "6"]
+    )
     out["faulty_codes"], out["faulty"] = faulty.wait(300), faulty
     rollback = run_train(
         _spec("blend_faulty", prefixes),
@@ -88,24 +83,18 @@ def test_eval_at_the_interval_identical_on_every_rank(scenario) -> None:
 
 
 def test_eval_changes_no_training_loss(scenario) -> None:
-    assert scenario["no_eval_codes"] == [0, 0, 0, 0]
-    ref, no_eval = scenario["reference"].losses(), scenario["no_eval"].losses()
-    assert no_eval == {s: ref[s] for s in (1, 2, 3, 4)}
-    assert _evals(scenario["no_eval"]) == {}
+    """faulty never evaluates: before its poison it trains bit for bit like the reference."""
+    assert scenario["faulty_codes"] == [0, 0, 0, 0]
+    ref, faulty = scenario["reference"].losses(), scenario["faulty"].losses()
+    assert {s: faulty[s] for s in (1, 2, 3, 4, 5)} == {s: ref[s] for s in (1, 2, 3, 4, 5)}
+    assert _evals(scenario["faulty"]) == {}
 
 
 def test_rollback_with_skip_equals_the_clean_run(scenario) -> None:
     """The faulty run read the poison at step 6; resumed from step 4 skipping it, it trains
     and evaluates bit for bit like the reference."""
-    assert scenario["faulty_codes"] == [0, 0, 0, 0]
-    faulty = scenario["faulty"].losses()
-    assert math.isnan(faulty[6])
+    assert math.isnan(scenario["faulty"].losses()[6])
     ref, ref_evals = scenario["reference"].losses(), _evals(scenario["reference"])
-    assert {s: faulty[s] for s in (1, 2, 3, 4)} == {s: ref[s] for s in (1, 2, 3, 4)}
-    assert {s: v for s, v in _evals(scenario["faulty"]).items() if s <= 4} == {
-        2: ref_evals[2],
-        4: ref_evals[4],
-    }
     assert scenario["rollback_codes"] == [0, 0, 0, 0]
     rollback = scenario["rollback"]
     assert rollback.losses() == {s: ref[s] for s in (5, 6, 7, 8)}
@@ -117,3 +106,6 @@ def test_checkpoints_record_the_last_eval(scenario) -> None:
     evals = _evals(scenario["reference"])
     assert listing[4].last_eval == (4, evals[4])
     assert listing[8].last_eval == (8, evals[8])
+    # The rollback evaluated at 6 and 8; what faulty saved at 4 had no evaluation.
+    rolled = {c.step: c for c in checkpoints.list_checkpoints(scenario["root"] / "faulty")}
+    assert rolled[4].last_eval is None and rolled[8].last_eval == (8, evals[8])
