@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from train_helpers import halves, spec_dict
+from train_helpers import spec_dict
 
 from contracts import checkpoints
+from megatron_runs.data_prep import PreparedData, halves
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -43,7 +44,7 @@ def _evals(run, rank: int = 0) -> dict[int, float]:
 def scenario(run_train, nw_home, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("blend")
     demo = next((nw_home / "data").glob("demo-*/text_document.idx"))
-    prefixes = halves(str(demo.with_suffix("")), root)
+    prefixes = halves(PreparedData(str(demo.with_suffix("")), ""))
     out: dict = {"root": root}
     ref = run_train(_spec("blend_ref", prefixes), root / "ref", SKIP)
     out["reference_codes"], out["reference"] = ref.wait(300), ref

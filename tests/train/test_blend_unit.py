@@ -7,19 +7,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from train_helpers import VOCAB, halves
+from train_helpers import VOCAB
 
 from contracts.spec import RunSpec
 from megatron_runs import cpu_compat
+from megatron_runs.data_prep import PreparedData, halves
 
 cpu_compat.apply()
 from megatron_runs import blend  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def prefixes(nw_home: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+def prefixes(nw_home: Path) -> list[str]:
     demo = next((nw_home / "data").glob("demo-*/text_document.idx"))
-    return halves(str(demo.with_suffix("")), tmp_path_factory.mktemp("halves"))
+    return halves(PreparedData(str(demo.with_suffix("")), ""))
 
 
 def _spec(data: dict, steps: int = 100, eval_iters: int = 2) -> RunSpec:
@@ -66,3 +67,16 @@ def test_a_single_prefix_with_a_split_and_without_a_valid_share(prefixes) -> Non
 def test_a_split_that_leaves_a_dataset_without_documents_is_refused(prefixes) -> None:
     with pytest.raises(ValueError, match=r"leaves the valid split of .*half0 without documents"):
         blend.build(_spec(_blend(prefixes, split="99.9,0.1")))
+
+
+def test_the_halves_hold_every_document_once_and_are_built_once(nw_home: Path, prefixes) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    demo = next((nw_home / "data").glob("demo-*/text_document.idx"))
+    source = IndexedDataset(str(demo.with_suffix("")))
+    a, b = (IndexedDataset(p) for p in prefixes)
+    assert (len(a), len(b)) == ((len(source) + 1) // 2, len(source) // 2)
+    assert np.array_equal(np.asarray(b[0]), np.asarray(source[1]))
+    mtime = Path(prefixes[0] + ".bin").stat().st_mtime_ns
+    assert halves(PreparedData(str(demo.with_suffix("")), "")) == prefixes
+    assert Path(prefixes[0] + ".bin").stat().st_mtime_ns == mtime

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 VOCAB = 4096
 
 
@@ -41,24 +39,3 @@ def spec_dict(
         "checkpoint": {"interval_steps": interval, "keep_last": 3},
         "faults": faults or [],
     }
-
-
-def halves(source: str, out: Path) -> list[str]:
-    """The demo corpus's documents split by parity into two indexed datasets."""
-    from megatron_runs.cpu_compat import stub_triton_kernels
-
-    stub_triton_kernels()  # importing megatron.core needs it where triton is absent
-    import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-
-    ds = IndexedDataset(source)
-    prefixes = []
-    for part in (0, 1):
-        prefix = str(out / f"half{part}")
-        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=ds.index.dtype)
-        for i in range(part, len(ds), 2):
-            doc = np.asarray(ds[i])
-            builder.add_document(doc, [len(doc)])
-        builder.finalize(prefix + ".idx")
-        prefixes.append(prefix)
-    return prefixes
