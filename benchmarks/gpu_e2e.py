@@ -8,13 +8,17 @@ physical GPUs per node), the supervisor on SQLite, and submits GPU specs over th
   nodes ran on distinct GPUs (the UUIDs the ranks log) and reports the attempt's start-up.
 * one run per fault (`--faults`), each on one node with the other as the spare an exclusion
   moves to, tied to its cause as on CPU: the incident's detection latency, its MTTR, steps lost,
-  the remedy, and the restarted attempt's start-up broken into its parts from the training log.
+  the remedy, and the restarted attempt's start-up broken into its parts from the training log;
+  once per `--restart-paths` (in_job: the ranks restart inside the running job; resubmit: a
+  new job), so both paths are measured side by side in one call.
 
 Results go to OUT/result.json and a table on stdout. The host must have been prepared with
 `scripts/gpu-host` (its environment exported), as the device machine has no package registry.
 
     eval "$(scripts/gpu-host .carry)"
     python3 benchmarks/gpu_e2e.py --out $OUT --faults crash nan_node poison
+    python3 benchmarks/gpu_e2e.py --out $OUT --nodes 1 --model 1.3b --steps 30 --no-clean \
+        --faults crash --restart-paths in_job resubmit
 """
 
 from __future__ import annotations
@@ -44,7 +48,15 @@ TERMINAL = {"succeeded", "failed", "cancelled", "needs_attention"}
 
 #: GPT sizes: (layers, hidden, heads, seq). `350m` has 24 × 1024 (≈ 350M parameters with a
 #: 32k vocabulary): its checkpoint with optimizer states is ≈ 5 GB.
-MODELS = {"350m": (24, 1024, 16, 2048), "125m": (12, 768, 12, 1024), "tiny": (2, 128, 4, 256)}
+MODELS = {
+    "1.3b": (24, 2048, 16, 2048),
+    "350m": (24, 1024, 16, 2048),
+    "125m": (12, 768, 12, 1024),
+    "tiny": (2, 128, 4, 256),
+}
+#: How a remedy's next attempt starts (`recovery.restart_in_job`): inside the running job, or
+#: as a new job (cancel + sbatch), the path every remedy took before.
+RESTART_PATHS = {"in_job": True, "resubmit": False}
 
 
 @dataclass
@@ -242,13 +254,17 @@ def training_log(home: Path, run_id: str) -> list[dict[str, Any]]:
     return sorted(lines, key=lambda r: r["ts"])
 
 
+#: The node task's first line of an attempt: a submitted job's, or an order's inside a job.
+BEGIN_MARKS = ("task begin", "restart in job")
+
+
 def startup(records: list[dict[str, Any]], attempt: int, submitted: float) -> dict[str, float]:
     """One attempt's start-up, from its submission to its first step, in parts (seconds):
     SLURM's start (to the node task's first line), the imports and forks (to the trainer's
     entry), the trainer's own set-up phases (distributed/NCCL init, model and optimizer,
     checkpoint load, the rest) and the first step (with any compilation)."""
     mine = [r for r in records if r.get("attempt") == attempt]
-    begin = next((r for r in mine if str(r.get("msg", "")).startswith("task begin")), None)
+    begin = next((r for r in mine if str(r.get("msg", "")).startswith(BEGIN_MARKS)), None)
     train = next((r for r in mine if r.get("event") == "train_start"), None)
     step = next((r for r in mine if r.get("event") == "step"), None)
     parts: dict[str, float] = {}
@@ -319,6 +335,8 @@ def one_run(stack: Stack, name: str, spec: dict[str, Any], timeout_s: float) -> 
         inc["detection_s"] = seconds_between(inc["fault_ts"], inc["detected_ts"])
         inc["mttr_s"] = seconds_between(inc["detected_ts"], inc["recovered_ts"])
     losses = [r["loss"] for r in records if r.get("event") == "step" and r.get("loss") is not None]
+    # A 1.3B run's checkpoints are tens of GB: the next run needs the disk.
+    shutil.rmtree(stack.home / "runs" / run_id / "checkpoints", ignore_errors=True)
     result = {
         "name": name, "run_id": run_id, "state": run["state"], "wall_s": round(
             time.monotonic() - t0, 1), "last_step": run["last_step"], "attempts": attempts,
@@ -340,6 +358,14 @@ def main() -> None:
     parser.add_argument("--ranks-per-node", type=int, default=1, help="with --device cpu")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--faults", nargs="*", default=[], choices=sorted(FAULTS))
+    parser.add_argument(
+        "--spare-nodes", type=int, default=0,
+        help="resources.spare_nodes of the fault runs (in_job path): a node fault moves there",
+    )  # fmt: skip
+    parser.add_argument(
+        "--restart-paths", nargs="+", default=["in_job"], choices=sorted(RESTART_PATHS),
+        help="run each fault once per path (in_job: restart inside the job; resubmit: sbatch)",
+    )  # fmt: skip
     parser.add_argument("--no-clean", action="store_true")
     parser.add_argument("--cpus-per-node", type=int, default=16)
     parser.add_argument("--cpus-per-rank", type=int, default=4)
@@ -367,18 +393,23 @@ def main() -> None:
             spec = gpu_spec("gpu-clean", s.data, args, args.nodes, per_node)
             results["runs"].append(one_run(s, "clean", spec, args.run_timeout))
         for fault in args.faults:
-            sections = dict(FAULTS[fault])
-            nodes = sections.pop("nodes", 1)
-            spec = gpu_spec(f"gpu-{fault}", s.data, args, nodes, per_node, **sections)
-            results["runs"].append(one_run(s, fault, spec, args.run_timeout))
-            (args.out / "result.json").write_text(json.dumps(results, indent=2))
+            for path in args.restart_paths:
+                sections = dict(FAULTS[fault])
+                nodes = sections.pop("nodes", 1)
+                in_job = RESTART_PATHS[path]
+                sections["recovery"] = {"restart_in_job": in_job}
+                if in_job and args.spare_nodes:
+                    sections["resources"] = {"spare_nodes": args.spare_nodes}
+                spec = gpu_spec(f"gpu-{fault}-{path}", s.data, args, nodes, per_node, **sections)
+                results["runs"].append(one_run(s, f"{fault}/{path}", spec, args.run_timeout))
+                (args.out / "result.json").write_text(json.dumps(results, indent=2))
         (args.out / "result.json").write_text(json.dumps(results, indent=2))
         (args.out / "serve.log").write_bytes((s.home / "serve.log").read_bytes()[-4_000_000:])
-    print(f"{'run':10s} {'state':16s} {'steps':>5s} {'attempts':>8s}  incidents")
+    print(f"{'run':18s} {'state':16s} {'steps':>5s} {'attempts':>8s}  incidents")
     for r in results["runs"]:
         incs = ", ".join(f"{i['kind']}→{i['remedy']} det {i['detection_s']}s mttr {i['mttr_s']}s"
                          for i in r["incidents"])  # fmt: skip
-        print(f"{r['name']:10s} {r['state']:16s} {r['last_step']!s:>5s} "
+        print(f"{r['name']:18s} {r['state']:16s} {r['last_step']!s:>5s} "
               f"{len(r['attempts']):>8d}  {incs}")  # fmt: skip
 
 

@@ -25,3 +25,6 @@ configuration fault that a restart on the same request cannot cure."""
 SKIP_BUDGET = 79
 """More updates skipped (non-finite) within the spec's window than its budget allows; the
 trainer's `skip_budget` line in `.health/anomalies.jsonl` names the steps, samples and nodes."""
+
+CLEAN_EXITS = frozenset({OK, REQUEUE})
+"""A rank that ended with one of these did not fail: it finished, or saved on a stop signal."""

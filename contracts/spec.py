@@ -116,6 +116,12 @@ class ResourcesSpec(_Strict):
 
     device: Literal["gpu", "cpu"] = "gpu"
     nodes: PositiveInt = 1
+    spare_nodes: NonNegativeInt = Field(
+        default=0,
+        le=64,
+        description="Extra nodes the job holds idle: a node fault swaps the bad node for one "
+        "inside the running job, with no queue wait (needs recovery.restart_in_job).",
+    )
     gpus_per_node: PositiveInt = Field(
         default=1, description="GPUs per node (device gpu); ranks per node (device cpu)."
     )
@@ -355,6 +361,19 @@ class RecoverySpec(_Strict):
         "not restore the run's state (training.eval_interval).",
     )
     max_rollbacks_per_incident: PositiveInt = 2
+    restart_in_job: bool = Field(
+        default=True,
+        description="Restart, roll back and hang remedies that indict no node restart the "
+        "ranks inside the running job (no new sbatch, no queue wait); a node fault, or a job "
+        "that is gone, resubmits as before.",
+    )
+    restart_wait_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="How long a job whose ranks failed keeps its nodes waiting for the "
+        "watchdog's restart order (restart_in_job) before it ends.",
+    )
     max_excluded_nodes: NonNegativeInt = 2
     drain_excluded_nodes: bool = False
     on_escalation: Literal["cancel", "hold"] = Field(

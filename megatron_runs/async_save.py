@@ -13,10 +13,12 @@ the copy finished forks the writer from the host copy. Megatron-LM's persistent 
 does the same copy in its worker process but holds the trainer until it is done
 (`preload_q.join()`).
 
-A process's first save pins the buffers before the copy, and the loop waits for that (11–13 s
-for 17 GiB on the H200 machine, as megatron's first save). Pinning them on a thread instead,
-from a clone on the device, took the stall to 0.6 s but made the steps meanwhile 8.6 s slower
-in all (the pinning holds up the training thread), for 17 GiB more device memory: not kept.
+A process's first save has no buffers yet. Pinning them at once (`cudaHostAlloc`) held the
+loop 11–13 s for 17 GiB on the H200 machine, and pinning them that way on a thread made the
+steps meanwhile 8.6 s slower in all (it holds the CUDA driver's lock). So the first save
+clones the state on the device (its only wait; it needs that much free device memory, else
+the old way) and a thread faults in pageable memory, page-locks it in chunks
+(`HostBuffers.register`), and copies the clone into it (figures in docs/benchmarks.md).
 
 With `overlap_param_gather` (DP > 1) the next forward pass may all-gather the parameters again
 while the copy reads them: the gather writes the bytes they already hold (no update came in
@@ -32,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -45,61 +48,192 @@ Bucket = tuple[str, str, tuple[list, list]]
 
 
 class HostBuffers:
-    """Host tensors a rank's saves copy into, kept between saves: pinning 17 GiB took 11 s on
-    the H200 machine, and megatron's own copy allocates them anew each save (from torch's
-    pinned-memory cache, which keeps them anyway). Reused while the tensors' shapes and dtypes
-    stay the same."""
+    """Host tensors a rank's saves copy into, kept between saves, and page-locked so the copy
+    runs beside training. Reused while the tensors' shapes and dtypes stay the same.
+
+    How they are made decides the first save's stall (`benchmarks/host_copy_gpu.py`, 17 GiB
+    on an H200): `cudaHostAlloc` (torch's `pin_memory=True`) held the loop 8-10 s, because it
+    allocates and zeroes every page while it holds the CUDA driver's lock; page-locking memory
+    whose pages exist already (`cudaHostRegister`) took 0.7-0.9 s. So `register` first faults
+    in pageable memory (kernel work that takes no CUDA lock), then registers it in chunks of
+    at most `CHUNK_BYTES`, each tensor inside one chunk, so no single call holds the lock long.
+    """
+
+    #: The most bytes one `cudaHostRegister` call page-locks.
+    CHUNK_BYTES = 1 << 30
+    #: Where each tensor starts within its chunk (a multiple of every element size).
+    ALIGN = 512
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self._tensors: list[torch.Tensor] = []
+        self._registered: list[torch.Tensor] = []
+
+    def reuse(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The buffers of an earlier save of the same layout, else None."""
+        if self._tensors and _layout(self._tensors) == _layout(tensors):
+            return self._tensors
+        return None
 
     def like(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One buffer per tensor, in order; allocated anew only if the layout changed."""
-        if _layout(self._tensors) != _layout(tensors):
-            self._tensors = []  # free the old buffers before pinning new ones
+        """One buffer per tensor, in order; allocated anew (pinned at once) if the layout
+        changed."""
+        if self.reuse(tensors) is None:
+            self._free()
             self._tensors = [
                 torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin) for t in tensors
             ]
         return self._tensors
+
+    def register(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One page-locked buffer per tensor, in order, made the cheap way (class docstring);
+        runs on a thread beside training."""
+        self._free()
+        chunks: list[list[int]] = []  # tensor indices per chunk
+        sizes: list[int] = []
+        for i, t in enumerate(tensors):
+            need = _aligned(t.numel() * t.element_size(), self.ALIGN)
+            if not chunks or sizes[-1] + need > self.CHUNK_BYTES:
+                chunks.append([])
+                sizes.append(0)
+            chunks[-1].append(i)
+            sizes[-1] += need
+        views: list[torch.Tensor | None] = [None] * len(tensors)
+        cudart = torch.cuda.cudart()
+        for members, size in zip(chunks, sizes, strict=True):
+            flat = torch.empty(max(size, 1), dtype=torch.uint8)
+            flat[:: mmap_page()].zero_()  # fault every page in: no CUDA lock held
+            code = cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
+            if int(code) != 0:
+                raise RuntimeError(f"cudaHostRegister of {flat.numel()} bytes failed: {code}")
+            self._registered.append(flat)
+            offset = 0
+            for i in members:
+                t = tensors[i]
+                n = t.numel() * t.element_size()
+                views[i] = flat[offset : offset + n].view(t.dtype).view(t.shape)
+                offset += _aligned(n, self.ALIGN)
+        self._tensors = [v for v in views if v is not None]
+        return self._tensors
+
+    def _free(self) -> None:
+        self._tensors = []
+        cudart = torch.cuda.cudart() if self._registered else None
+        for flat in self._registered:
+            cudart.cudaHostUnregister(flat.data_ptr())
+        self._registered = []
+
+
+def _aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def mmap_page() -> int:
+    return os.sysconf("SC_PAGE_SIZE")
 
 
 def _layout(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Size, torch.dtype]]:
     return [(t.shape, t.dtype) for t in tensors]
 
 
+def _fits_on_device(tensors: Sequence[torch.Tensor], margin: float = 1.1) -> bool:
+    """Room on the device for a clone of `tensors` (with a margin)."""
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    free, _total = torch.cuda.mem_get_info()
+    return need * margin + (256 << 20) < free
+
+
 class Staging:
     """The device tensors of a save on their way to host buffers, on a side stream; the
-    optimizer's update waits for the copy on the device (`done`). A process's first save pins
-    the buffers first, and the loop waits for that (11–13 s for 17 GiB on the H200 machine)."""
+    optimizer's update waits on the device for `captured` (the state as of the save).
+
+    With buffers of an earlier save the copy goes straight into them. A process's first save
+    has none: it clones the tensors on the device (a device-to-device copy: the only wait) and
+    a thread makes the buffers (`HostBuffers.register`) and copies the clone into them, so
+    training goes on meanwhile; without room on the device for the clone, the buffers are
+    pinned at once and the loop waits for that."""
 
     def __init__(self, buckets: list[Bucket], buffers: HostBuffers, stream: object) -> None:
         # what the copy reads, kept until it is done
         self._sources = [t for _, _, (_, tensors) in buckets for _, t in tensors if t.is_cuda]
-        hosts = buffers.like(self._sources)
-        self._started = torch.cuda.Event(enable_timing=True)
-        self.done = torch.cuda.Event(enable_timing=True)
+        self._stream = stream
+        self._copy_seconds: list[tuple[object, object]] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.done = torch.cuda.Event()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._started.record()
+        hosts = buffers.reuse(self._sources)
+        if hosts is None and buffers.pin and _fits_on_device(self._sources):
+            with torch.cuda.stream(stream):
+                started = torch.cuda.Event(enable_timing=True)
+                started.record()
+                self._sources = [t.clone() for t in self._sources]
+                self.captured = torch.cuda.Event(enable_timing=True)
+                self.captured.record()
+            self._copy_seconds.append((started, self.captured))
+            hosts = [torch.empty(0)] * len(self._sources)  # filled in by the thread
+            self._thread = threading.Thread(
+                target=self._register_and_copy, args=(buffers, hosts), daemon=True
+            )
+            self._thread.start()
+        else:
+            hosts = hosts if hosts is not None else buffers.like(self._sources)
+            self._copy(hosts)
+            self.captured = self.done
+        self._hosts = hosts
+        self._buckets = buckets
+
+    def _copy(self, hosts: list[torch.Tensor]) -> None:
+        with torch.cuda.stream(self._stream):
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
             for host, tensor in zip(hosts, self._sources, strict=True):
                 host.copy_(tensor, non_blocking=True)
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
             self.done.record()
-        staged = iter(hosts)
-        self.buckets: list[Bucket] = [
+        self._copy_seconds.append((started, ended))
+
+    def _register_and_copy(self, buffers: HostBuffers, hosts: list[torch.Tensor]) -> None:
+        try:
+            hosts[:] = buffers.register(self._sources)
+            self._copy(hosts)
+        except BaseException as exc:  # surfaces in the training thread (`finished`, `wait`)
+            self._error = exc
+
+    def _joined(self) -> bool:
+        """The thread (if any) has ended; its failure is raised here."""
+        if self._thread is not None:
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        if self._error is not None:
+            raise RuntimeError("staging the save to host memory failed") from self._error
+        return True
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """megatron's write buckets with the host buffers in place of the device tensors
+        (once finished)."""
+        staged = iter(self._hosts)
+        return [
             (path, key, (items, [(i, next(staged) if t.is_cuda else t) for i, t in tensors]))
-            for path, key, (items, tensors) in buckets
+            for path, key, (items, tensors) in self._buckets
         ]
 
     def finished(self) -> bool:
-        return self.done.query()
+        return self._joined() and self.done.query()
 
     def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self._joined()
         self.done.synchronize()
 
     def seconds(self) -> float:
-        """How long the copy to host memory took on the device (once finished)."""
-        return self._started.elapsed_time(self.done) / 1000
+        """How long the device spent copying this save's state (clone and copy to host
+        memory), once finished."""
+        return sum(a.elapsed_time(b) for a, b in self._copy_seconds) / 1000
 
     def release(self) -> None:
         self._sources = []

@@ -271,7 +271,7 @@ class Writer:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
             staging = async_save.Staging(args[1], self._host, self._stream)
-            hooks = async_save.wait_before_updates(_inner_optimizers(optimizer), staging.done)
+            hooks = async_save.wait_before_updates(_inner_optimizers(optimizer), staging.captured)
         phases.mark("stage")
 
         def finalize() -> Path:

@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from contracts.checkpoints import SaveTiming
 from contracts.spec import RunSpec
@@ -85,6 +86,9 @@ class SubmitPlan:
     signal_delay_s: int = DEFAULT_SIGNAL_LEAD_S
     entry: str = "megatron_runs.train"
     env: dict[str, str] = field(default_factory=dict)
+    #: The run's directory, where restart orders for the job are written (None: no restarts
+    #: inside the job, whatever the spec says).
+    run_dir: Path | None = None
 
 
 #: Every job Nightwatch submits is named `nw-<run id>-a<attempt>`: how a job the database
@@ -135,7 +139,7 @@ def job_request(plan: SubmitPlan) -> JobRequest:
     return JobRequest(
         job_name=job_name(plan.run_id, plan.attempt),
         log_dir=plan.log_dir,
-        nodes=res.nodes,
+        nodes=res.nodes + res.spare_nodes,
         tasks_per_node=1,
         ranks_per_task=res.gpus_per_node,
         cpus_per_task=res.cpus_per_task * res.gpus_per_node,
@@ -176,7 +180,21 @@ def training_task(plan: SubmitPlan) -> TrainingTask:
         env=tuple(sorted(job_env(plan).items())),
         ranks_per_task=plan.spec.resources.gpus_per_node,
         gpus_required=gpus_required(plan.spec),
+        **_restart_fields(plan),
     )
+
+
+def _restart_fields(plan: SubmitPlan) -> dict[str, Any]:
+    """Where the job's node tasks look for restart orders, and how long they wait for one."""
+    rc = plan.spec.recovery
+    if plan.run_dir is None or not rc.restart_in_job:
+        return {}
+    spares = plan.spec.resources.spare_nodes
+    return {
+        "run_dir": str(plan.run_dir),
+        "restart_wait_s": rc.restart_wait_seconds,
+        "active_nodes": plan.spec.resources.nodes if spares else 0,
+    }
 
 
 def submit(cluster: Cluster, plan: SubmitPlan) -> Submission:

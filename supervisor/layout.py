@@ -406,6 +406,13 @@ def _other_problems(spec: RunSpec) -> list[Problem]:
         out.append(Problem("resources.exclude", "resources.exclude lists a node twice"))
     if any(not name.strip() for name in r.exclude):
         out.append(Problem("resources.exclude", "resources.exclude has an empty node name"))
+    if r.spare_nodes and not spec.recovery.restart_in_job:
+        out.append(
+            Problem(
+                "resources.spare_nodes",
+                "spare_nodes needs recovery.restart_in_job: a spare is used inside the job",
+            )
+        )
     if t.lr_warmup_steps > t.train_steps:
         out.append(
             Problem(

@@ -14,6 +14,9 @@ from dataclasses import dataclass, replace
 
 MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 10000
+#: How far apart the ports of one job's successive in-job attempts lie (prime: a job's later
+#: attempts do not land on the ports of the jobs numbered right after it).
+MASTER_PORT_STRIDE = 1009
 
 
 @dataclass(frozen=True)
@@ -26,12 +29,15 @@ class TaskInfo:
     num_nodes: int
     launch_addr: str | None = None
     folder: str | None = None
+    #: How many times the job's ranks were restarted inside it (`contracts.restart`).
+    generation: int = 0
 
 
-def master_port(job_id: str) -> int:
-    """Distinct per job (jobs share hosts), stable across a requeue of the same job."""
+def master_port(job_id: str, generation: int = 0) -> int:
+    """Distinct per job (jobs share hosts), stable across a requeue of the same job, and new
+    for each restart inside the job: the last attempt's store may still hold its port."""
     digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
-    return MASTER_PORT_BASE + int(digits) % MASTER_PORT_SPAN
+    return MASTER_PORT_BASE + (int(digits) + generation * MASTER_PORT_STRIDE) % MASTER_PORT_SPAN
 
 
 def _resolves(host: str) -> bool:
@@ -60,7 +66,7 @@ def dist_env(info: TaskInfo, resolves: Callable[[str], bool] = _resolves) -> dic
         raise ValueError(f"{info.num_tasks} tasks do not divide over {info.num_nodes} nodes")
     return {
         "MASTER_ADDR": master_addr(info, resolves),
-        "MASTER_PORT": str(master_port(info.job_id)),
+        "MASTER_PORT": str(master_port(info.job_id, info.generation)),
         "RANK": str(info.global_rank),
         "LOCAL_RANK": str(info.local_rank),
         "WORLD_SIZE": str(info.num_tasks),

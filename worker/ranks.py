@@ -56,7 +56,7 @@ def node_outcome(codes: Sequence[int]) -> int:
 
 def _failed(code: int) -> bool:
     """Neither done nor checkpointed on a stop signal: an error code or a killing signal."""
-    return code not in (exitcodes.OK, exitcodes.REQUEUE)
+    return code not in exitcodes.CLEAN_EXITS
 
 
 def name_process(name: str) -> None:
@@ -97,9 +97,14 @@ def fork_ranks(
     run_rank: Callable[[TaskInfo], int],
     leave: Callable[[int], object],
     grace_s: float = PEER_GRACE_S,
-) -> int:
+    interrupt: Callable[[], bool] | None = None,
+    on_ended: Callable[[TaskInfo, int], object] | None = None,
+) -> int | None:
     """Fork one child per rank; each runs `run_rank(info)` and ends with `leave(code)` (which
-    must not return). Returns the node's outcome (`node_outcome`) once every child has ended.
+    must not return). Returns the node's outcome (`node_outcome`) once every child has ended,
+    or None when `interrupt()` (asked between reaps) said to stop them: every child is then
+    killed and reaped first, so the node's ranks are all gone when this returns.
+    `on_ended(info, code)` hears of each rank that ended on its own, as it is reaped.
 
     No stop signal is lost or misdirected. The forwarder is installed before the first fork
     and remembers what it saw; a child starts with signals blocked, puts back the handlers the
@@ -139,7 +144,7 @@ def fork_ranks(
         for signum in dict.fromkeys(seen):
             _send(children, signum)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        return _wait(children, grace_s)
+        return _wait(children, grace_s, interrupt, on_ended)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         for sig, handler in handlers.items():
@@ -162,8 +167,14 @@ def _take_over_signals(handlers: dict[int, object], seen: Sequence[int]) -> None
             handler(signum, None)
 
 
-def _wait(children: dict[int, TaskInfo], grace_s: float) -> int:
-    """Reap every child; after the first failure, kill whoever is left after `grace_s`.
+def _wait(
+    children: dict[int, TaskInfo],
+    grace_s: float,
+    interrupt: Callable[[], bool] | None = None,
+    on_ended: Callable[[TaskInfo, int], object] | None = None,
+) -> int | None:
+    """Reap every child; after the first failure, kill whoever is left after `grace_s`; on
+    `interrupt()`, kill them all at once and return None once they are reaped.
 
     Each by its pid, never `waitpid(-1)`: that would also reap children that are not ranks
     (a test runner's, for one), whose owners then wait in vain."""
@@ -172,14 +183,21 @@ def _wait(children: dict[int, TaskInfo], grace_s: float) -> int:
     while children:
         ended = [(pid, status) for pid in list(children) if (status := _reaped(pid)) is not None]
         for pid, status in ended:
-            del children[pid]
+            info = children.pop(pid)
             code = os.waitstatus_to_exitcode(status)
             codes.append(code)
+            if on_ended is not None:
+                on_ended(info, code)
             if deadline is None and _failed(code):
                 deadline = time.monotonic() + grace_s
         if deadline is not None and time.monotonic() >= deadline:
             _send(children, signal.SIGKILL)
             deadline = float("inf")
+        if interrupt is not None and interrupt():
+            _send(children, signal.SIGKILL)
+            for pid in list(children):
+                os.waitpid(pid, 0)
+            return None
         if children and not ended:
             time.sleep(REAP_INTERVAL_S)
     return node_outcome(codes)

@@ -14,27 +14,40 @@ supervisor, not submitit, decides requeues.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
 import resource
 import signal
 import sys
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
 from contracts import exitcodes
+from contracts.restart import (
+    RestartOrder,
+    exit_code_path,
+    failed_exit,
+    job_control_dir,
+    read_exit_codes,
+)
 from contracts.spec import RunSpec
 from contracts.task import TrainContext, node_name
 from worker.devices import missing_gpus
 from worker.env import TaskInfo, dist_env, rank_infos, task_info
+from worker.orders import OrderWatch
 from worker.ranks import NODE_PROCESS_NAME, fork_ranks, name_process
 from worker.registration import Registrar
 
 log = logging.getLogger("nightwatch.worker")
+
+#: How often a spare node looks for an order or for the end of the attempt it does not run.
+SPARE_POLL_S = 0.2
 
 
 class _EarlyStop:
@@ -72,6 +85,21 @@ class TrainingTask:
     ranks_per_task: int = 1
     #: GPUs this task must see (one per rank on a GPU run, 0 on a CPU run).
     gpus_required: int = 0
+    #: The run's directory, where the supervisor writes restart orders for this job
+    #: (`contracts.restart`); None: no restart inside the job.
+    run_dir: str | None = None
+    #: How long a node task whose ranks failed waits for a restart order before it ends
+    #: (and its job with it); 0: it ends at once, as without restarts inside the job.
+    restart_wait_s: float = 0.0
+    #: An attempt started by an order: its job folder (logs, exit codes), not submitit's.
+    job_folder: str | None = None
+    #: Restarts inside the job before this attempt (each rendezvous on a new port).
+    generation: int = 0
+    #: Nodes of the job that run ranks when it starts (its first ones); the others are
+    #: spares (`resources.spare_nodes`). 0: every node.
+    active_nodes: int = 0
+    #: The nodes an order named for this attempt, in rank order (empty: as at the start).
+    nodes: tuple[str, ...] = ()
 
     def __call__(self) -> NoReturn:
         early = _EarlyStop()
@@ -79,30 +107,136 @@ class TrainingTask:
         # The launcher's environment (docs/contracts.md), set before torch is imported.
         os.environ.update(dict(self.env))
         _configure_logging()
-        log.info("task begin node=%s", node_name(), extra=self._context(task_info().job_id))
+        info = task_info()
+        log.info("task begin node=%s", node_name(), extra=self._context(info.job_id))
         # torch.cuda.is_available() (cpu_compat calls it on import) asks the driver for its
         # devices unless told to ask NVML, and a CUDA driver touched before a fork fails in the
         # children: every forked rank on a GPU node would fail to select its device.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-        ranks = rank_infos(task_info(), self.ranks_per_task)
+        ranks = rank_infos(info, self.ranks_per_task)
         missing = missing_gpus(self.gpus_required, node_name())
         if missing is not None:
             log.error(missing, extra=self._context(ranks[0].job_id))
-            for info in ranks:
-                _record_exit(info, exitcodes.NO_GPU)
+            for rank in ranks:
+                _record_exit(rank, exitcodes.NO_GPU)
             _leave(exitcodes.NO_GPU)
-        if len(ranks) == 1:
+        if len(ranks) == 1 and not self.restart_wait_s:
             _leave(self._rank(ranks[0], early))
         code = 1
         try:
             _preload(self.entry)
             name_process(NODE_PROCESS_NAME)
-            code = fork_ranks(ranks, lambda info: self._rank(info, early), _leave)
+            code = self._node(info, early)
         except BaseException:
             traceback.print_exc()  # the node task itself failed: every rank counts as failed
-            for info in ranks:
-                _record_exit(info, code)
+            for rank in ranks:
+                _record_exit(rank, code)
         _leave(code)
+
+    def _node(self, info: TaskInfo, early: _EarlyStop) -> int:
+        """Run this attempt's ranks on the node, then each attempt the supervisor orders into
+        the job: an order kills the ranks still running (a hang, a rollback) and forks the
+        new attempt's; ranks that failed wait `restart_wait_s` for one. A node the attempt
+        does not use (a spare) waits for the order that uses it, or for the attempt's end.
+        The node's outcome once no order came (or restarts inside the job are off)."""
+        task = self
+        while True:
+            watch = (
+                OrderWatch(job_control_dir(Path(task.run_dir), info.job_id), task.attempt)
+                if task.run_dir and task.restart_wait_s
+                else None
+            )
+            placed = task._scheduled(info)
+            if placed is None:
+                assert watch is not None  # spares exist only with restarts inside the job
+                order = task._spare(info, watch)
+                if order is None:
+                    return exitcodes.OK
+            else:
+                code = fork_ranks(
+                    rank_infos(placed, task.ranks_per_task),
+                    functools.partial(task._rank, early=early),
+                    _leave,
+                    interrupt=watch.newer if watch else None,
+                    on_ended=_record_unrecorded_exit if watch else None,
+                )
+                order = watch.order if watch else None
+                if code is not None:
+                    if watch is None or code in exitcodes.CLEAN_EXITS:
+                        return code
+                    context = task._context(info.job_id)
+                    log.warning("ranks failed (exit %d): waiting %.0f s for a restart order",
+                                code, task.restart_wait_s, extra=context)  # fmt: skip
+                    order = watch.wait(task.restart_wait_s)
+                    if order is None:
+                        return code
+            assert order is not None
+            task = task._ordered(order, info.job_id)
+            log.info("restart in job: attempt %d from step %s", order.attempt,
+                     order.resume_step, extra=task._context(info.job_id))  # fmt: skip
+
+    def _spare(self, info: TaskInfo, watch: OrderWatch) -> RestartOrder | None:
+        """Idle through an attempt that runs on other nodes: the next order (which may use
+        this node), or None once the attempt's ranks all ended and no order followed within
+        `restart_wait_s` (at once when they all ended cleanly: the job is done)."""
+        world = len(self._nodes(info)) * self.ranks_per_task
+        folder = Path(self.job_folder or info.folder or ".")
+        log.info("spare node: waiting for an order", extra=self._context(info.job_id))
+        ended_at: float | None = None
+        while not watch.newer():
+            if ended_at is None:
+                codes = read_exit_codes(folder, info.job_id)
+                if len(codes) >= world:
+                    if failed_exit(codes) is None:
+                        return None
+                    ended_at = time.monotonic()
+            elif time.monotonic() - ended_at >= self.restart_wait_s:
+                return None
+            time.sleep(SPARE_POLL_S)
+        return watch.order
+
+    def _ordered(self, order: RestartOrder, job_id: str) -> TrainingTask:
+        """This task as the order's attempt: its resume point, skips, nodes and folder."""
+        env = {**dict(self.env), "NIGHTWATCH_ATTEMPT": str(order.attempt)}
+        return replace(
+            self,
+            attempt=order.attempt,
+            resume_step=order.resume_step,
+            skip_ranges=tuple(order.skip_ranges),
+            stop_at_step=order.stop_at_step,
+            mtbf_seconds=order.mtbf_seconds,
+            env=tuple(sorted(env.items())),
+            job_folder=str(Path(order.log_dir) / job_id),
+            generation=self.generation + 1,
+            nodes=tuple(order.nodes) or self.nodes,
+        )
+
+    def _nodes(self, info: TaskInfo) -> tuple[str, ...]:
+        """The nodes that run this attempt's ranks, in rank order: the order's, else the
+        job's first `active_nodes` (all of them without spares)."""
+        if self.nodes:
+            return self.nodes
+        hosts = tuple(info.hostnames)
+        return hosts[: self.active_nodes] if self.active_nodes else hosts
+
+    def _scheduled(self, info: TaskInfo) -> TaskInfo | None:
+        """The node's task as this attempt sees it (its place among the attempt's nodes, its
+        folder and rendezvous generation), or None on a node the attempt does not use."""
+        if self.job_folder is not None:
+            Path(self.job_folder).mkdir(parents=True, exist_ok=True)
+            info = replace(info, folder=self.job_folder, generation=self.generation)
+        if not self.active_nodes and not self.nodes:
+            return info
+        nodes = self._nodes(info)
+        if node_name() not in nodes:
+            return None
+        return replace(
+            info,
+            hostnames=nodes,
+            global_rank=nodes.index(node_name()),
+            num_tasks=len(nodes),
+            num_nodes=len(nodes),
+        )
 
     def _context(self, job_id: str) -> dict[str, object]:
         return {"run_id": self.run_id, "attempt": self.attempt, "job_id": job_id}
@@ -110,6 +244,9 @@ class TrainingTask:
     def _rank(self, info: TaskInfo, early: _EarlyStop) -> int:
         """Train as one rank; the exit code, recorded beside the job's logs."""
         code = 1
+        if self.job_folder is not None:
+            _log_to(Path(self.job_folder), info.job_id, info.global_rank // self.ranks_per_task)
+        os.environ.update(dict(self.env))
         try:
             code = self._run(info, early)
         except SystemExit as exc:
@@ -198,10 +335,31 @@ def _preload(entry: str) -> None:
 
 def _record_exit(info: TaskInfo, code: int) -> None:
     """`<job folder>/<job>_<rank>_exit_code`: the local executor's only record of task codes
-    (its controller exits 0 whatever the tasks did); on SLURM it is evidence beside sacct."""
+    (its controller exits 0 whatever the tasks did); on SLURM it is evidence beside sacct, and
+    in a job that outlives its ranks (restarts inside the job) it is how the attempt ends."""
     if info.folder:
-        path = Path(info.folder) / f"{info.job_id}_{info.global_rank}_exit_code"
-        path.write_text(str(code))
+        exit_code_path(Path(info.folder), info.job_id, info.global_rank).write_text(str(code))
+
+
+def _record_unrecorded_exit(info: TaskInfo, code: int) -> None:
+    """The code of a rank that ended without recording it (killed by a signal, or `os._exit`):
+    the supervisor learns from these files that the attempt ended while the job runs on."""
+    path = exit_code_path(Path(info.folder), info.job_id, info.global_rank) if info.folder else None
+    if path is not None and not path.exists():
+        _record_exit(info, code)
+
+
+def _log_to(folder: Path, job_id: str, task: int) -> None:
+    """Send this rank's output to the attempt's own log file, named as submitit names a task's
+    (`<job>_<task>_log.out`, stderr with stdout as the launcher asks), where every reader of an
+    attempt's logs looks."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    path = folder / f"{job_id}_{task}_log.out"
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
 
 
 def _registrar(run_id: str, attempt: int, node: str) -> Registrar | None:

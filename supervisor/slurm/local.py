@@ -161,7 +161,7 @@ def task_exit_code(codes: Sequence[int], tasks: int) -> int | None:
     """
     if len(codes) < tasks:
         return None
-    errors = [c for c in codes if c not in (exitcodes.OK, exitcodes.REQUEUE)]
+    errors = [c for c in codes if c not in exitcodes.CLEAN_EXITS]
     if errors:
         return max(errors)
     return exitcodes.REQUEUE if exitcodes.REQUEUE in codes else exitcodes.OK

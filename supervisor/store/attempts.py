@@ -30,6 +30,7 @@ def create_attempt(
     resume_step: int | None = None,
     skip_ranges: list[list[int]] | None = None,
     exclude: list[str] | None = None,
+    nodes: list[str] | None = None,
 ) -> Attempt:
     """Record the next attempt (number = current_attempt + 1) and bump the run's counter."""
     run = session.get(Run, run_id, with_for_update=True)
@@ -46,7 +47,7 @@ def create_attempt(
         resume_step=resume_step,
         skip_ranges_json=skip_ranges if skip_ranges is not None else list(run.skip_ranges_json),
         exclude_json=exclude if exclude is not None else list(run.excluded_nodes_json),
-        nodes_json=[],
+        nodes_json=nodes or [],
     )
     session.add(attempt)
     run.current_attempt = number

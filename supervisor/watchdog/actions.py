@@ -31,7 +31,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contracts import anomalies, checkpoints
-from contracts.paths import attempt_log_dir, checkpoint_dir
+from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
+from contracts.restart import RestartOrder, job_control_dir, write_order
 from contracts.spec import RunSpec
 from supervisor import accounting, store
 from supervisor.auth import Scope
@@ -68,6 +69,9 @@ class ActionKind(enum.StrEnum):
     """Action rows' `kind`: the remedies plus the reconciler's own chores."""
 
     SUBMIT = "submit"
+    #: A remedy's next attempt started inside the running job (`contracts.restart`): the
+    #: in-job counterpart of SUBMIT, keyed by the job.
+    RESTART_IN_JOB = "restart_in_job"
     CANCEL = "cancel"
     COMPLETE = "complete"
     RESTART = RemedyKind.RESTART.value
@@ -84,6 +88,34 @@ DRAIN_REASON_PREFIX = "nightwatch:"
 
 #: Remedies whose `to_step` rolls training back (later checkpoints may hold thrown-away state).
 ROLLS_BACK = frozenset({RemedyKind.ROLLBACK, RemedyKind.EXCLUDE_NODE})
+#: Remedies that indict no node: their next attempt may start inside the running job.
+RESTARTS_IN_JOB = frozenset({RemedyKind.RESTART, RemedyKind.ROLLBACK})
+
+
+@dataclass(frozen=True)
+class InJob:
+    """Where a remedy's next attempt starts inside the running job: the job, and the nodes
+    that run its ranks (empty: the same as before; else a spare in place of a bad node)."""
+
+    job_id: str
+    nodes: tuple[str, ...] = ()
+
+
+def swap_in_spares(
+    active: Sequence[str], job_nodes: Sequence[str], bad: Sequence[str], excluded: Sequence[str]
+) -> tuple[str, ...] | None:
+    """`active` with each bad node replaced, in its place (rank order kept), by a node of the
+    job that runs no ranks and is neither bad nor excluded; None when the spares run short."""
+    out = set(bad) | set(excluded)
+    spares = [n for n in job_nodes if n not in active and n not in out]
+    nodes = []
+    for node in active:
+        if node in bad:
+            if not spares:
+                return None
+            node = spares.pop(0)
+        nodes.append(node)
+    return tuple(nodes)
 
 
 def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -108,6 +140,11 @@ class ActContext:
     job_id: str | None
     job_active: bool
     step: int | None = None
+    #: The job holds its nodes now (SLURM says RUNNING): a restart may happen inside it.
+    job_running: bool = False
+    #: Every node the job holds, spares (`resources.spare_nodes`) included; `attempt_nodes`
+    #: are those that run the attempt's ranks.
+    job_nodes: tuple[str, ...] = ()
     attempt_nodes: tuple[str, ...] = ()
     incident_id: int | None = None
     resume_from: int | None = None  # newest complete checkpoint on disk now
@@ -269,6 +306,7 @@ class Actuator:
                 node_setup=self.config.node_setup,
                 signal_delay_s=lead,
                 mtbf_seconds=mtbf[0] if mtbf else None,
+                run_dir=run_dir(self.config.home, run_id),
             )
             stop_signal = {"signal_lead_s": lead, "signal_lead": lead_basis}
             if mtbf:
@@ -398,11 +436,14 @@ class Actuator:
             run = store.get_run(s, ctx.run_id)
         if remedy.to_step:
             self._pin_checkpoint(run, remedy.to_step, ctx)
-        try:
-            self._stop_job(ctx)
-        except SourceUnavailable as exc:
-            log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
-            return False
+        in_job = self._in_job(ctx, remedy, run)
+        if in_job is None:
+            try:
+                self._stop_job(ctx)
+            except SourceUnavailable as exc:
+                log.warning(f"cancel failed, will retry: {exc}",
+                            extra=_ctx(ctx.run_id, ctx.attempt))  # fmt: skip
+                return False
         updates: dict[str, Any] = {}
         if remedy.kind is RemedyKind.ROLLBACK and remedy.skip_ranges:
             updates["skip_ranges_json"] = merge_ranges([*run.skip_ranges_json, *remedy.skip_ranges])
@@ -423,18 +464,120 @@ class Actuator:
                 store.transition_run(
                     s, ctx.run_id, RunState.RECOVERING, reason=remedy.reason, attempt=ctx.attempt
                 )
-        job_id = self.submit_attempt(
-            ctx.run_id, ctx.attempt + 1, resume_step=resume, reason=remedy.reason
-        )
+        if in_job is None:
+            job_id = self.submit_attempt(
+                ctx.run_id, ctx.attempt + 1, resume_step=resume, reason=remedy.reason
+            )
+        else:
+            job_id = self.restart_in_job(ctx, in_job, resume_step=resume, reason=remedy.reason)
+            if job_id is None:
+                return False  # the order is not out yet: this remedy is resumed next tick
         resume_from = resume if resume is not None else ctx.resume_from
         self._finish(
             key,
             job_id is not None,
-            {"next_attempt": ctx.attempt + 1, "job_id": job_id, "resume_from": resume_from},
+            {
+                "next_attempt": ctx.attempt + 1,
+                "job_id": job_id,
+                "resume_from": resume_from,
+                "in_job": in_job is not None,
+            },
             f"[nightwatch] {ctx.run_id}: {remedy.reason}",
             **notify,
         )
         return True
+
+    def _in_job(self, ctx: ActContext, remedy: Remedy, run: Run) -> InJob | None:
+        """Where the remedy's next attempt starts inside the running job, or None to resubmit.
+
+        Once decided, the decision stands: a remedy resumed after a crash finds its in-job
+        start recorded (keyed by the next attempt) and finishes it, whatever the job looks
+        like now. Otherwise, on a run that allows it, while its job holds its nodes: a remedy
+        that indicts no node, or a node exclusion that the job's spares can stand in for."""
+        with self.db.session() as s:
+            begun = s.scalar(
+                select(Action).where(
+                    Action.run_id == ctx.run_id,
+                    Action.attempt == ctx.attempt + 1,
+                    Action.kind == ActionKind.RESTART_IN_JOB.value,
+                )
+            )
+        if begun is not None:
+            return InJob(begun.target, tuple(begun.evidence_json.get("nodes", ())))
+        spec = RunSpec.model_validate(run.spec_json)
+        if not (spec.recovery.restart_in_job and ctx.job_running and ctx.job_id):
+            return None
+        if remedy.kind in RESTARTS_IN_JOB:
+            # with spares, every order names its nodes: the job's nodes are not all the ranks'
+            return InJob(ctx.job_id, ctx.attempt_nodes if spec.resources.spare_nodes else ())
+        if remedy.kind is RemedyKind.EXCLUDE_NODE and spec.resources.spare_nodes:
+            nodes = swap_in_spares(
+                ctx.attempt_nodes, ctx.job_nodes, remedy.exclude_nodes, run.excluded_nodes_json
+            )
+            if nodes is not None:
+                return InJob(ctx.job_id, nodes)
+        return None
+
+    def restart_in_job(
+        self, ctx: ActContext, where: InJob, *, resume_step: int | None, reason: str
+    ) -> str | None:
+        """Start attempt `ctx.attempt + 1` inside the running job, exactly once: end the
+        current attempt, record the next one on the same job, then publish the order its
+        node tasks act on (each step idempotent). Returns the job id."""
+        number, job_id = ctx.attempt + 1, where.job_id
+        with self.db.session() as s:
+            run = store.get_run(s, ctx.run_id)
+        skips = tuple((int(a), int(b)) for a, b in merge_ranges(run.skip_ranges_json))
+        evidence = {
+            "job_id": job_id,
+            "reason": reason,
+            "resume_step": resume_step,
+            "skip_ranges": [list(r) for r in skips],
+            "nodes": list(where.nodes),
+        }
+        key = self._begin(ctx.run_id, number, ActionKind.RESTART_IN_JOB, job_id, evidence)
+        if key is None:
+            return job_id
+        with self.db.write_session() as s:
+            attempt = _attempt(s, ctx.run_id, ctx.attempt)
+            if attempt is not None and attempt.ended_at is None:
+                store.update_attempt(
+                    s,
+                    ctx.run_id,
+                    ctx.attempt,
+                    state=AttemptState.CANCELLED,
+                    end_reason=f"restarted inside job {job_id}",
+                    ended_at=self._now(),
+                )
+            if run.current_attempt < number:
+                store.create_attempt(
+                    s,
+                    ctx.run_id,
+                    executor=self.cluster.kind,
+                    job_id=job_id,
+                    resume_step=resume_step,
+                    skip_ranges=[list(r) for r in skips],
+                    nodes=list(where.nodes),
+                )
+        spec = RunSpec.model_validate(run.spec_json)
+        mtbf = self._mtbf(ctx.run_id, spec) if spec.checkpoint.interval_auto else None
+        order = RestartOrder(
+            attempt=number,
+            log_dir=str(attempt_log_dir(self.config.home, ctx.run_id, number)),
+            resume_step=resume_step,
+            skip_ranges=skips,
+            mtbf_seconds=mtbf[0] if mtbf else None,
+            nodes=where.nodes,
+        )
+        control = job_control_dir(run_dir(self.config.home, ctx.run_id), job_id)
+        try:
+            path = write_order(control, order)
+        except OSError as exc:  # the intent stays: the next tick's resume writes it again
+            log.warning(f"restart order failed: {exc}", extra=_ctx(ctx.run_id, number))
+            return None
+        self._finish(key, True, {"job_id": job_id, "order": str(path)})
+        log.info("restarted inside the job", extra={**_ctx(ctx.run_id, number), "job_id": job_id})
+        return job_id
 
     def _pin_checkpoint(self, run: Run, step: int, ctx: ActContext) -> None:
         """Pin the checkpoint a remedy resumes from before stopping the job: until SLURM kills

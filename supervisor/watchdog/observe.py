@@ -10,6 +10,7 @@ there, because reading it for a run that ends its tick earlier would be wasted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -30,7 +31,8 @@ from contracts.checkpoints import (
     list_checkpoints,
     read_save_timing,
 )
-from contracts.paths import attempt_log_dir, checkpoint_dir
+from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
+from contracts.restart import failed_exit, job_control_dir, read_exit_codes, read_order
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
@@ -220,6 +222,41 @@ class Observer:
         if cached is None or cached[0] != stamp:
             cached = self._timings[run.id] = (stamp, read_save_timing(root))
         return cached[1]
+
+    def ranks_ended(
+        self, run: Run, attempt: Attempt, status: JobStatus | None, spec: RunSpec
+    ) -> JobStatus | None:
+        """The attempt as its ranks left it: with restarts inside the job, a job's node tasks
+        outlive ranks that failed (they wait for a restart order), so SLURM still says
+        RUNNING; the ranks' exit codes in the attempt's folder say the attempt failed."""
+        if (
+            status is None
+            or status.state is not JobState.RUNNING
+            or not spec.recovery.restart_in_job
+            or not attempt.job_id
+        ):
+            return status
+        folder = attempt_log_dir(self.home, run.id, attempt.number) / attempt.job_id
+        code = failed_exit(read_exit_codes(folder, attempt.job_id))
+        if code is None:
+            return status
+        return dataclasses.replace(
+            status,
+            state=JobState.FAILED,
+            exit_code=code,
+            reason=f"ranks failed (exit {code}); the job waits for a restart order",
+        )
+
+    def active_nodes(
+        self, run: Run, attempt: Attempt, spec: RunSpec, job_nodes: Sequence[str]
+    ) -> tuple[str, ...]:
+        """The job's nodes that run the attempt's ranks: those its restart order named, else
+        the job's first `resources.nodes`; the rest are spares (`resources.spare_nodes`)."""
+        if attempt.job_id:
+            order = read_order(job_control_dir(run_dir(self.home, run.id), attempt.job_id))
+            if order is not None and order.attempt == attempt.number and order.nodes:
+                return order.nodes
+        return tuple(job_nodes[: spec.resources.nodes])
 
     def log_cause(
         self, run: Run, attempt: Attempt, status: JobStatus | None, view: MetricsView

@@ -17,6 +17,7 @@ exports. One run's failure is logged and isolated; each run's reconcile ends in 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -285,6 +286,9 @@ class Reconciler:
         spec = self.observer.spec(run)
         # Unknown to SLURM might still be alive: cancel before resubmitting, to be sure.
         active_job = status is None or status.state is JobState.UNKNOWN or status.state.active
+        job_running = status is not None and status.state is JobState.RUNNING
+        if attempt is not None:
+            status = self.observer.ranks_ended(run, attempt, status, spec)
         if run.cancel_requested:
             self.actuator.cancel_run(
                 run.id, run.current_attempt, attempt.job_id if attempt else None, active_job
@@ -299,7 +303,9 @@ class Reconciler:
             self.actuator.resume(unfinished, ctx)
             return Outcome(Next.TERMINAL, "escalated")
         if run.operator_request_json is not None and unfinished is None and attempt is not None:
-            return self._operator_request(run, attempt, run.operator_request_json, active_job)
+            return self._operator_request(
+                run, attempt, run.operator_request_json, active_job, job_running
+            )
         if run.state is RunState.NEEDS_ATTENTION or attempt is None:
             return Outcome(Next.TERMINAL if attempt else Next.TICK, run.state.value)
         # observe
@@ -318,6 +324,10 @@ class Reconciler:
             lost_after_s=self.config.lost_after_s,
             log_cause=self.observer.log_cause(run, attempt, status, view),
         )
+        job_nodes = job.nodes
+        if spec.resources.spare_nodes and job.nodes:
+            active = self.observer.active_nodes(run, attempt, spec, job.nodes)
+            job = dataclasses.replace(job, nodes=active)
         # record what was seen (the attempt's state before anything is decided from it)
         recovered = self.ledger.record_observation(
             run, attempt, job, view, unrecorded=disk.unrecorded, incidents=incidents, now=now
@@ -395,6 +405,8 @@ class Reconciler:
             job_id=attempt.job_id,
             job_active=active_job,
             step=step,
+            job_running=job_running,
+            job_nodes=job_nodes,
             attempt_nodes=job.nodes or tuple(attempt.nodes_json or ()),
             incident_id=incident_id,
             resume_from=disk.step,
@@ -411,7 +423,12 @@ class Reconciler:
         return Outcome(Next.TICK if applied else Next.AFTER, remedy.reason)
 
     def _operator_request(
-        self, run: Run, attempt: Attempt, request: dict[str, Any], active_job: bool
+        self,
+        run: Run,
+        attempt: Attempt,
+        request: dict[str, Any],
+        active_job: bool,
+        job_running: bool,
     ) -> Outcome:
         """Carry out an operator's resume / rollback through the actuator, once: the action
         is keyed by the request's id, so after a crash between the action and the clearing of
@@ -433,6 +450,7 @@ class Reconciler:
                 attempt=attempt.number,
                 job_id=attempt.job_id,
                 job_active=active_job,
+                job_running=job_running,
                 step=run.last_step,
                 attempt_nodes=tuple(attempt.nodes_json or ()),
                 incident_id=None,

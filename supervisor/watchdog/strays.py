@@ -38,7 +38,8 @@ class Stray:
 def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[Stray]:
     """The live jobs (id → name) that their run must not have (pure). Names of runs this
     database does not hold are left alone (not ours to judge); an attempt whose job id is not
-    recorded yet keeps the job its submission will adopt by name."""
+    recorded yet keeps the job its submission will adopt by name; a job named after an earlier
+    attempt is the current attempt's when that attempt was started inside it."""
     out = []
     for job_id, name in sorted(live.items()):
         parsed = parse_job_name(name)
@@ -48,6 +49,8 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
         run = runs[run_id]
         if run.state.terminal:
             reason = f"run {run.state.value}"
+        elif job_id == run.job_id:
+            continue  # the current attempt runs in it (restarted inside the job it named)
         elif attempt < run.current_attempt:
             reason = f"attempt {attempt} superseded by attempt {run.current_attempt}"
         elif attempt == run.current_attempt and run.job_id not in (None, job_id):

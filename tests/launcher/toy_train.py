@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -24,7 +25,8 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from contracts.task import TrainContext
 
 STEP_SECONDS = float(os.environ.get("TOY_STEP_SECONDS", "0.3"))
-#: "RANK:STEP": that rank dies at that step (os._exit, like a SIGKILL: no cleanup).
+#: "RANK:STEP[:ATTEMPT]": that rank dies at that step (os._exit, like a SIGKILL: no cleanup),
+#: in that attempt only when one is given.
 CRASH_AT = os.environ.get("TOY_CRASH_AT")
 #: "1": every rank keeps a thread the interpreter's teardown would wait for forever, as a
 #: process group with a dead peer or a writer thread can make it do.
@@ -60,7 +62,9 @@ def save(ckpt: Path, step: int, value: float, world: int) -> None:
         "files": {"state.json": size},
     }
     (tmp / "nightwatch.json").write_text(json.dumps(meta))
-    os.replace(tmp, ckpt / f"iter_{step:07d}")
+    final = ckpt / f"iter_{step:07d}"
+    shutil.rmtree(final, ignore_errors=True)  # a rolled-back run saves that step again
+    os.replace(tmp, final)
     (ckpt / "latest.tmp").write_text(str(step))
     os.replace(ckpt / "latest.tmp", ckpt / "latest")
 
@@ -97,7 +101,8 @@ def train(spec, ctx: TrainContext) -> TrainResult:
     print(f"toy: rank {rank}/{world} on {ctx.node} starts at step {start}", flush=True)
     if LINGER:
         threading.Thread(target=threading.Event().wait, name="linger").start()
-    crash = tuple(int(x) for x in CRASH_AT.split(":")) if CRASH_AT else None
+    crash_at = [int(x) for x in CRASH_AT.split(":")] if CRASH_AT else []
+    crash = tuple(crash_at[:2]) if crash_at[2:] in ([], [ctx.attempt]) and crash_at else None
     while step < target:
         time.sleep(STEP_SECONDS)
         if crash == (rank, step + 1):

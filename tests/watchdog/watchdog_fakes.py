@@ -39,6 +39,9 @@ TINY_SPEC = {
     "parallelism": {"data": 2},
     "training": {"train_steps": 300, "micro_batch_size": 1, "global_batch_size": 8},
     "checkpoint": {"interval_steps": 50},
+    # These tests follow remedies through a resubmission (sbatch); the restart inside the job
+    # has its own (test_watchdog_restart_in_job.py).
+    "recovery": {"restart_in_job": False},
 }
 
 

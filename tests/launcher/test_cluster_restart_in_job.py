@@ -1,0 +1,114 @@
+"""Restart inside the allocation on the real local SLURM cluster: the node tasks outlive their
+ranks and start the attempt a restart order names, in the same job (`contracts.restart`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from contracts import exitcodes
+from contracts.restart import (
+    RestartOrder,
+    failed_exit,
+    job_control_dir,
+    read_exit_codes,
+    write_order,
+)
+from supervisor import launcher
+from supervisor.slurm import JobState, tail, wait_for
+
+from .cluster_helpers import latest, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _spec(toy_spec, name: str, wait_s: float = 60.0):
+    spec = toy_spec(name, steps=16, interval=2)
+    recovery = spec.recovery.model_copy(update={"restart_wait_seconds": wait_s})
+    return spec.model_copy(update={"recovery": recovery})
+
+
+def _plan(toy_plan, tmp_path: Path, spec, **env: str):
+    return toy_plan(tmp_path, spec, toy_env=env, run_dir=tmp_path / "run")
+
+
+def _exits(folder: Path, job_id: str) -> list[tuple[int, int]]:
+    return read_exit_codes(folder / job_id, job_id)
+
+
+def _starts(folder: Path, job_id: str) -> list[int]:
+    text = "".join(tail(p) for p in sorted((folder / job_id).glob(f"{job_id}_*_log.out")))
+    return [int(m) for m in re.findall(r"starts at step (\d+)", text)]
+
+
+def test_crashed_ranks_restart_in_the_same_job_from_the_ordered_step(
+    slurm, tmp_path, toy_spec, toy_plan
+):
+    spec = _spec(toy_spec, "injob-crash")
+    plan = _plan(toy_plan, tmp_path, spec, TOY_CRASH_AT="3:5:1")
+    job = launcher.submit(slurm, plan).job_id
+    wait_until("attempt 1's ranks ended", lambda: len(_exits(plan.log_dir, job)) == 4, 90)
+    codes = _exits(plan.log_dir, job)
+    assert failed_exit(codes) is not None
+    assert (3, 9) in codes  # the crashed rank, with its own code (its peers: 1)
+    assert slurm.poll([job])[job].state is JobState.RUNNING  # the nodes wait for an order
+    resume = latest(plan.checkpoint_dir)
+    assert resume == 4
+    a2 = tmp_path / "logs-a2"
+    order = RestartOrder(attempt=2, log_dir=str(a2), resume_step=resume)
+    write_order(job_control_dir(tmp_path / "run", job), order)
+    done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
+    assert done.state is JobState.COMPLETED, done
+    assert latest(plan.checkpoint_dir) == 16
+    assert sorted(code for _, code in _exits(a2, job)) == [exitcodes.OK] * 4
+    assert _starts(a2, job) == [resume] * 4
+
+
+def test_an_order_stops_running_ranks_and_rolls_back_inside_the_job(
+    slurm, tmp_path, toy_spec, toy_plan
+):
+    spec = _spec(toy_spec, "injob-rollback")
+    plan = _plan(toy_plan, tmp_path, spec)
+    job = launcher.submit(slurm, plan).job_id
+    wait_until("step 6 saved", lambda: latest(plan.checkpoint_dir) >= 6, 90)
+    order = RestartOrder(attempt=2, log_dir=str(tmp_path / "logs-a2"), resume_step=2)
+    write_order(job_control_dir(tmp_path / "run", job), order)
+    done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
+    assert done.state is JobState.COMPLETED, done
+    assert _exits(plan.log_dir, job) == []  # attempt 1's ranks were killed mid-step
+    assert _starts(tmp_path / "logs-a2", job) == [2] * 4
+    assert latest(plan.checkpoint_dir) == 16
+
+
+def test_without_an_order_the_job_ends_with_the_ranks_failure(slurm, tmp_path, toy_spec, toy_plan):
+    spec = _spec(toy_spec, "injob-noorder", wait_s=2.0)
+    plan = _plan(toy_plan, tmp_path, spec, TOY_CRASH_AT="0:3")
+    job = launcher.submit(slurm, plan).job_id
+    done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
+    assert done.state is JobState.FAILED, done
+    assert (0, 9) in _exits(plan.log_dir, job)  # recorded by its node task (it could not)
+
+
+def test_a_spare_node_takes_a_bad_nodes_place_inside_the_job(slurm, tmp_path, toy_spec, toy_plan):
+    spec = _spec(toy_spec, "injob-spare")
+    resources = spec.resources.model_copy(update={"spare_nodes": 1})
+    spec = spec.model_copy(update={"resources": resources})
+    plan = _plan(toy_plan, tmp_path, spec)
+    job = launcher.submit(slurm, plan).job_id
+    running = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60)
+    first, bad, spare = running.nodes
+    wait_until("step 4 saved", lambda: latest(plan.checkpoint_dir) >= 4, 90)
+    text = "".join(tail(p) for p in (plan.log_dir / job).glob(f"{job}_*_log.out"))
+    assert f"on {spare}" not in text and f"on {bad}" in text  # the spare ran no rank
+    a2 = tmp_path / "logs-a2"
+    order = RestartOrder(attempt=2, log_dir=str(a2), resume_step=4, nodes=(first, spare))
+    write_order(job_control_dir(tmp_path / "run", job), order)
+    done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
+    assert done.state is JobState.COMPLETED, done  # the node left idle ended cleanly too
+    text = "".join(tail(p) for p in (a2 / job).glob(f"{job}_*_log.out"))
+    assert sorted(re.findall(r"rank \d/4 on (\w+) starts at step 4", text)) == sorted(
+        [first, first, spare, spare]
+    )
+    assert latest(plan.checkpoint_dir) == 16

@@ -1,0 +1,234 @@
+"""The watchdog's restart inside the allocation (fake SLURM, real database): which remedies
+restart a running job in place, what is recorded, and that a crash at any point neither loses
+nor repeats the restart. The node tasks' side runs on the real cluster in
+tests/launcher/test_cluster_restart_in_job.py."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from sqlalchemy import select
+from watchdog_curves import Faults, simulate
+from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
+
+from contracts import anomalies
+from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
+from contracts.restart import exit_code_path, job_control_dir, read_order
+from contracts.spec import RunSpec
+from supervisor import store
+from supervisor.db import Database
+from supervisor.models import Action, ActionState, Attempt, AttemptState, Run, RunState
+from supervisor.slurm import JobState, JobStatus
+from supervisor.watchdog import actions
+from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
+from supervisor.watchdog.snapshot import FindingKind, RemedyKind
+
+SPEC = copy.deepcopy(TINY_SPEC)
+SPEC["recovery"] = {"restart_in_job": True}
+
+
+def make(db: Database, tmp_path: Path, cluster: FakeCluster, source: FakeSource) -> Reconciler:
+    config = WatchdogConfig(home=tmp_path / "home", lease_ttl_s=60)
+    return Reconciler(db, cluster, source, config, registry=CollectorRegistry())
+
+
+def running(
+    db: Database, tmp_path: Path, spec: dict = SPEC, nodes: tuple[str, ...] = ("n1", "n2")
+) -> tuple:
+    """A run submitted and running as attempt 1 on `nodes`."""
+    cluster, source = FakeCluster(nodes_per_job=nodes), FakeSource()
+    rec = make(db, tmp_path, cluster, source)
+    with db.write_session() as s:
+        run_id = store.create_run(s, RunSpec.model_validate(spec))[0].id
+    rec.tick()
+    job = cluster.submitted[-1][0]
+    cluster.set(job, JobState.RUNNING)
+    rec.tick()
+    return rec, cluster, source, run_id, job
+
+
+def attempts(db: Database, run_id: str) -> list[Attempt]:
+    with db.session() as s:
+        return list(store.get_attempts(s, run_id))
+
+
+def in_job_actions(db: Database, run_id: str) -> list[Action]:
+    with db.session() as s:
+        return list(
+            s.scalars(
+                select(Action).where(
+                    Action.run_id == run_id, Action.kind == actions.ActionKind.RESTART_IN_JOB
+                )
+            )
+        )
+
+
+def get_run(db: Database, run_id: str) -> Run:
+    with db.session() as s:
+        return store.get_run(s, run_id)
+
+
+def nan_from_121(source: FakeSource, run_id: str) -> None:
+    source.samples[(run_id, 1)] = simulate(
+        1, steps=130, steps_per_sample=2, faults=Faults(nan_from=121)
+    )
+
+
+def test_a_rollback_restarts_the_running_job_in_place(db: Database, tmp_path: Path) -> None:
+    rec, cluster, source, run_id, job = running(db, tmp_path)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(SPEC))
+    for step in (50, 100):
+        write_checkpoint(ckpt, step, step * 8)
+    nan_from_121(source, run_id)
+    remedy = rec.tick().remedies[run_id]
+    assert remedy.kind is RemedyKind.ROLLBACK and remedy.to_step == 100
+    assert cluster.cancelled == [] and len(cluster.submitted) == 1  # no scancel, no sbatch
+    first, second = attempts(db, run_id)
+    assert (
+        first.state is AttemptState.CANCELLED and first.end_reason == f"restarted inside job {job}"
+    )
+    assert second.number == 2 and second.job_id == job and second.resume_step == 100
+    order = read_order(job_control_dir(run_dir(tmp_path / "home", run_id), job))
+    assert order is not None and order.attempt == 2 and order.resume_step == 100
+    assert order.skip_ranges == ((960, 976),)
+    assert order.log_dir == str(attempt_log_dir(tmp_path / "home", run_id, 2))
+    (action,) = in_job_actions(db, run_id)
+    assert action.state is ActionState.DONE and action.target == job
+    assert action.evidence_json["skip_ranges"] == [[960, 976]]
+    # The next ticks see attempt 2 running on the same job, and restart nothing more.
+    rec.tick()
+    rec.tick()
+    assert len(in_job_actions(db, run_id)) == 1 and len(cluster.submitted) == 1
+    assert attempts(db, run_id)[-1].state is AttemptState.RUNNING
+    assert get_run(db, run_id).current_attempt == 2
+
+
+def test_ranks_that_failed_in_a_running_job_are_restarted_inside_it(
+    db: Database, tmp_path: Path
+) -> None:
+    rec, cluster, _source, run_id, job = running(db, tmp_path)
+    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
+    folder.mkdir(parents=True)
+    exit_code_path(folder, job, 1).write_text("9")
+    exit_code_path(folder, job, 0).write_text("1")
+    result = rec.tick()
+    assert [f.kind for f in result.findings[run_id]] == [FindingKind.JOB_FAILED]
+    assert result.remedies[run_id].kind is RemedyKind.RESTART
+    first, second = attempts(db, run_id)
+    assert first.state is AttemptState.FAILED and first.exit_code in (1, 9)
+    assert second.job_id == job and cluster.cancelled == [] and len(cluster.submitted) == 1
+    order = read_order(job_control_dir(run_dir(tmp_path / "home", run_id), job))
+    assert order is not None and order.attempt == 2
+
+
+def test_a_node_fault_still_resubmits_without_the_node(db: Database, tmp_path: Path) -> None:
+    rec, cluster, _source, run_id, job = running(db, tmp_path)
+    cluster.nodes_per_job = ("n1", "n2", "n3")  # a spare
+    cluster.states[job] = JobStatus(job, JobState.NODE_FAIL, ("n1", "n2"), failed_nodes=("n2",))
+    remedy = rec.tick().remedies[run_id]
+    assert remedy.kind is RemedyKind.EXCLUDE_NODE
+    assert len(cluster.submitted) == 2 and "n2" in cluster.submitted[-1][1].exclude
+    assert in_job_actions(db, run_id) == []
+
+
+def test_restart_in_job_off_resubmits(db: Database, tmp_path: Path) -> None:
+    rec, cluster, source, run_id, job = running(db, tmp_path, TINY_SPEC)
+    nan_from_121(source, run_id)
+    assert rec.tick().remedies[run_id].kind is RemedyKind.ROLLBACK
+    assert cluster.cancelled == [job] and len(cluster.submitted) == 2
+    assert in_job_actions(db, run_id) == []
+
+
+@pytest.mark.parametrize("cut", ["before_order", "after_order"])
+def test_a_supervisor_killed_mid_restart_finishes_it_once(
+    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    rec, cluster, source, run_id, job = running(db, tmp_path)
+    nan_from_121(source, run_id)
+    real = actions.write_order
+
+    def crashing(control: Path, order: object) -> Path:
+        if cut == "after_order":
+            real(control, order)  # type: ignore[arg-type]
+        raise Crash
+
+    monkeypatch.setattr(actions, "write_order", crashing)
+    with pytest.raises(Crash):
+        rec.tick()
+    monkeypatch.setattr(actions, "write_order", real)
+    # The next ticks (a restarted supervisor reads only the database and the files) resume
+    # the unfinished remedy.
+    rec.tick()
+    rec.tick()
+    (action,) = in_job_actions(db, run_id)
+    assert action.state is ActionState.DONE
+    assert [a.number for a in attempts(db, run_id)] == [1, 2]
+    assert attempts(db, run_id)[-1].job_id == job
+    assert cluster.cancelled == [] and len(cluster.submitted) == 1
+    order = read_order(job_control_dir(run_dir(tmp_path / "home", run_id), job))
+    assert order is not None and order.attempt == 2
+    assert get_run(db, run_id).state in (RunState.RECOVERING, RunState.RUNNING)
+
+
+SPARE_SPEC = copy.deepcopy(SPEC)
+SPARE_SPEC["resources"] = {**SPEC["resources"], "spare_nodes": 1}
+
+
+def nan_on(ckpt: Path, node: str, steps: tuple[int, ...]) -> None:
+    """The trainer's records: `node` made NaN gradients (finite losses) at `steps`."""
+    for step in steps:
+        anomalies.append(
+            ckpt,
+            anomalies.Anomaly(
+                1, step, anomalies.NONFINITE, (), (node,), consumed=(8 * step - 8, 8 * step),
+                update_skipped=True, t=time.time() - 60 + step,
+            ),
+        )  # fmt: skip
+
+
+def test_swap_in_spares_keeps_rank_order_and_runs_short_honestly() -> None:
+    job = ("n1", "n2", "n3", "n4")
+    assert actions.swap_in_spares(("n1", "n2"), job, ("n1",), ()) == ("n3", "n2")
+    assert actions.swap_in_spares(("n1", "n2"), job, ("n2",), ("n3",)) == ("n1", "n4")
+    assert actions.swap_in_spares(("n1", "n2"), job, ("n1", "n2"), ("n3",)) is None
+
+
+def test_a_bad_node_is_swapped_for_the_jobs_spare_inside_the_job(
+    db: Database, tmp_path: Path
+) -> None:
+    rec, cluster, source, run_id, job = running(db, tmp_path, SPARE_SPEC, ("n1", "n2", "n3"))
+    assert cluster.submitted[-1][1].nodes == 3  # two that train and one spare
+    assert attempts(db, run_id)[0].nodes_json == ["n1", "n2"]  # the spare runs no ranks
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(SPARE_SPEC))
+    write_checkpoint(ckpt, 50, 400)
+    source.samples[(run_id, 1)] = simulate(1, steps=70, steps_per_sample=2)
+    nan_on(ckpt, "n2", (61, 62))
+    remedy = rec.tick().remedies[run_id]
+    assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == ("n2",)
+    assert cluster.cancelled == [] and len(cluster.submitted) == 1  # no queue wait
+    order = read_order(job_control_dir(run_dir(tmp_path / "home", run_id), job))
+    assert order is not None and order.attempt == 2 and order.nodes == ("n1", "n3")
+    assert order.resume_step == 50
+    second = attempts(db, run_id)[-1]
+    assert second.job_id == job and second.nodes_json == ["n1", "n3"]
+    assert get_run(db, run_id).excluded_nodes_json == ["n2"]  # the next sbatch avoids it
+    rec.tick()
+    assert attempts(db, run_id)[-1].nodes_json == ["n1", "n3"]
+
+
+def test_a_bad_node_without_a_spare_left_resubmits(db: Database, tmp_path: Path) -> None:
+    rec, cluster, source, run_id, job = running(db, tmp_path, SPARE_SPEC, ("n1", "n2", "n3"))
+    with db.write_session() as s:
+        store.update_run(s, run_id, excluded_nodes_json=["n3"])  # the spare went bad before
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(SPARE_SPEC))
+    write_checkpoint(ckpt, 50, 400)
+    source.samples[(run_id, 1)] = simulate(1, steps=70, steps_per_sample=2)
+    nan_on(ckpt, "n2", (61, 62))
+    cluster.nodes_per_job = ("n1", "n2", "n3", "n4", "n5")  # free nodes for the new job
+    assert rec.tick().remedies[run_id].kind is RemedyKind.EXCLUDE_NODE
+    assert cluster.cancelled == [job] and len(cluster.submitted) == 2
+    assert in_job_actions(db, run_id) == []
