@@ -45,6 +45,9 @@ class CheckpointInfo:
     #: The losses of the good steps before it that the trainer's spike judgement keeps
     #: (`megatron_runs.anomaly.LossTrend`), so a resumed attempt judges its first steps too.
     loss_trend: tuple[float, ...] = ()
+    #: The trainer's newest evaluation at or before `step` (its step, validation loss): what
+    #: the first evaluation after a resume from here is compared with (`eval_jump`).
+    last_eval: tuple[int, float] | None = None
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -72,6 +75,7 @@ def write_meta(
     layout: dict[str, int],
     saved_at: float | None = None,
     loss_trend: Sequence[float] = (),
+    last_eval: tuple[int, float] | None = None,
 ) -> dict:
     meta = {
         "step": step,
@@ -80,6 +84,7 @@ def write_meta(
         "saved_at": time.time() if saved_at is None else saved_at,
         "layout": layout,
         "loss_trend": [float(x) for x in loss_trend],
+        "last_eval": None if last_eval is None else [int(last_eval[0]), float(last_eval[1])],
         "complete": True,
         "files": file_sizes(ckpt),
     }
@@ -153,7 +158,18 @@ def read_info(ckpt: Path) -> CheckpointInfo | None:
         complete=problem is None,
         problem=problem,
         loss_trend=tuple(float(x) for x in meta.get("loss_trend", ())),
+        last_eval=_last_eval(meta.get("last_eval")),
     )
+
+
+def _last_eval(value: object) -> tuple[int, float] | None:
+    """The recorded evaluation, if one of a finite loss was recorded (older metadata: none)."""
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    step, loss = value
+    if not isinstance(loss, int | float) or loss != loss or abs(loss) == float("inf"):
+        return None
+    return int(step), float(loss)
 
 
 def list_checkpoints(root: Path | str, include_incomplete: bool = False) -> list[CheckpointInfo]:

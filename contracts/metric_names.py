@@ -49,6 +49,12 @@ RUN_METRICS = {
     "checkpoint_failures": ("counter", "failed saves"),
     "replica_checks": ("counter", "replica checksum comparisons made"),
     "replica_mismatches": ("counter", "comparisons where replicas differed"),
+    "eval_loss": ("gauge", "validation loss of the last evaluation (NaN before the first)"),
+    "eval_step": ("gauge", "step of the last evaluation (NaN before the first)"),
+    "eval_resumed_loss": (
+        "gauge",
+        "validation loss of the newest evaluation the resumed checkpoint recorded (NaN: none)",
+    ),
 }
 
 

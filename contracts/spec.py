@@ -182,6 +182,17 @@ class TrainingSpec(_Strict):
     token_budget: PositiveInt | None = Field(
         default=None, description="Optional total tokens; the layout report gives steps for it."
     )
+    eval_interval: NonNegativeInt = Field(
+        default=0,
+        description="Steps between validation-loss evaluations on data.split's valid share "
+        "(forward only, no update, no training sample consumed); 0 turns them off.",
+    )
+    eval_iters: PositiveInt = Field(
+        default=10,
+        le=100_000,
+        description="Global batches per evaluation: the first eval_iters × global_batch_size "
+        "samples of the valid split, the same set every time.",
+    )
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> TrainingSpec:
@@ -190,14 +201,58 @@ class TrainingSpec(_Strict):
         return self
 
 
-class DataSpec(_Strict):
-    """Megatron indexed dataset (`<prefix>.bin/.idx`) plus the tokenizer that made it.
+MAX_BLEND_PARTS = 256
+_SPLIT_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*,\s*[0-9]+(\.[0-9]+)?\s*$"
 
-    `prefix` None means the built-in demo corpus prepared on first use under NIGHTWATCH_HOME.
+
+class BlendPart(_Strict):
+    """One Megatron indexed dataset of a blend and its share of the samples."""
+
+    prefix: SpecPath
+    weight: float = Field(gt=0, le=1e9, description="Relative; the blend normalises them.")
+
+
+class DataSpec(_Strict):
+    """Megatron indexed dataset(s) (`<prefix>.bin/.idx`) plus the tokenizer that made them.
+
+    One `prefix`, or a `blend` of several with weights (Megatron-Core's BlendedDataset), not
+    both; neither means the built-in demo corpus prepared on first use under NIGHTWATCH_HOME.
+    `split` "train,valid" (e.g. "98,2") holds the valid share of every dataset's documents
+    out of training, for the validation loss (`training.eval_interval`).
     """
 
     prefix: SpecPath | None = None
+    blend: list[BlendPart] | None = Field(default=None, min_length=1, max_length=MAX_BLEND_PARTS)
+    split: str | None = Field(
+        default=None,
+        pattern=_SPLIT_PATTERN,
+        description='"train,valid" weights of each dataset\'s documents, e.g. "98,2"; '
+        "None: every document trains.",
+    )
     tokenizer: SpecPath | None = Field(default=None, description="tokenizer.json of the dataset.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        if self.prefix is not None and self.blend is not None:
+            raise ValueError("give data.prefix or data.blend, not both")
+        if self.split is not None and self.split_fractions[0] <= 0:
+            raise ValueError(f"data.split {self.split!r} must give training a share above 0")
+        return self
+
+    @property
+    def split_fractions(self) -> tuple[float, float]:
+        """(train, valid), normalised; (1, 0) without a split."""
+        if self.split is None:
+            return 1.0, 0.0
+        train, valid = (float(x) for x in self.split.split(","))
+        total = train + valid
+        return (train / total, valid / total) if total > 0 else (0.0, 0.0)
+
+    @property
+    def megatron(self) -> bool:
+        """Whether the data goes through Megatron-Core's GPTDataset / BlendedDataset; a plain
+        prefix (or the demo corpus) without a split reads `megatron_runs.data.TokenStream`."""
+        return self.blend is not None or self.split is not None
 
 
 class CheckpointSpec(_Strict):
@@ -296,6 +351,14 @@ class RecoverySpec(_Strict):
         default=100,
         description="A restart after which the run trained this many steps past where it was "
         "decided cured its fault: it no longer counts toward the restart storm.",
+    )
+    eval_jump_ratio: float = Field(
+        default=0.1,
+        gt=0,
+        le=1e6,
+        description="A resumed attempt's first validation loss above (1 + ratio) × the one its "
+        "checkpoint recorded (or non-finite) is an eval_jump: escalated, as the rollback did "
+        "not restore the run's state (training.eval_interval).",
     )
     max_rollbacks_per_incident: PositiveInt = 2
     restart_in_job: bool = Field(
@@ -402,6 +465,14 @@ class RunSpec(_Strict):
     faults: list[Fault] = Field(
         default_factory=list, max_length=MAX_FAULTS, description="Test-only fault injection."
     )
+
+    @model_validator(mode="after")
+    def _eval_needs_valid_data(self) -> RunSpec:
+        if self.training.eval_interval and self.data.split_fractions[1] <= 0:
+            raise ValueError(
+                'training.eval_interval needs a valid share: set data.split, e.g. "98,2"'
+            )
+        return self
 
     def to_json(self) -> str:
         return self.model_dump_json()

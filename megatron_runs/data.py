@@ -1,8 +1,10 @@
-"""Token samples from a Megatron indexed dataset, in the order `sampling` prescribes.
+"""Token samples in the order `sampling` prescribes, and the microbatches built from them.
 
-The dataset's documents (each ending in EOD) are read as one token stream and cut into
-fixed windows of seq_length + 1 tokens (inputs and shifted labels); dataset sample i starts
-at token i·seq_length. Batches depend on the data-parallel rank only, so all ranks of a
+A `Source` maps a global sample index g to one sample: seq_length + 1 tokens (inputs and
+shifted labels). `TokenStream` reads one Megatron indexed dataset as one token stream cut into
+fixed windows (dataset sample i starts at token i·seq_length), through `sampling`'s per-epoch
+permutation; `megatron_runs.blend` reads Megatron-Core's GPTDataset / BlendedDataset (a blend,
+a train/valid split). Batches depend on the data-parallel rank only, so all ranks of a
 tensor-parallel group build identical batches.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,14 +24,23 @@ Poison = Callable[[int], str | None]
 """Global sample index → None, "spike" or "nan" (fault injection; see faults.py)."""
 
 
+class Source(Protocol):
+    """Where a step's samples come from: global sample index → seq_length + 1 tokens."""
+
+    seq_length: int
+
+    def row(self, g: int) -> np.ndarray: ...
+
+
 class TokenStream:
     """All tokens of an indexed dataset as one memory-mapped array, cut into windows."""
 
-    def __init__(self, prefix: str, seq_length: int) -> None:
+    def __init__(self, prefix: str, seq_length: int, seed: int) -> None:
         index = IndexedDataset(prefix)
         dtype = np.dtype(index.index.dtype)
         self.tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
         self.seq_length = seq_length
+        self.seed = seed
         self.num_samples = (len(self.tokens) - 1) // seq_length
         if self.num_samples < 1:
             raise ValueError(f"dataset {prefix} has fewer than {seq_length + 1} tokens")
@@ -36,6 +48,9 @@ class TokenStream:
     def window(self, sample: int) -> np.ndarray:
         start = sample * self.seq_length
         return np.asarray(self.tokens[start : start + self.seq_length + 1], dtype=np.int64)
+
+    def row(self, g: int) -> np.ndarray:
+        return self.window(dataset_index(g, self.num_samples, self.seed))
 
 
 @dataclass
@@ -48,7 +63,7 @@ class MicroBatch:
 
 
 def build_microbatches(
-    stream: TokenStream,
+    source: Source,
     indices: Sequence[int],
     micro_batch_size: int,
     seed: int,
@@ -57,10 +72,10 @@ def build_microbatches(
 ) -> list[MicroBatch]:
     """This rank's microbatches for one step, from its global sample indices."""
     out = []
-    s = stream.seq_length
+    s = source.seq_length
     for i in range(0, len(indices), micro_batch_size):
         chunk = list(indices[i : i + micro_batch_size])
-        rows = np.stack([stream.window(dataset_index(g, stream.num_samples, seed)) for g in chunk])
+        rows = np.stack([source.row(g) for g in chunk])
         weights = np.ones((len(chunk), s), dtype=np.float32)
         for row, g in enumerate(chunk):
             effect = poison(g) if poison else None

@@ -112,6 +112,37 @@ def prepare(input_jsonl: Path | None, out_dir: Path, vocab_size: int) -> Prepare
     return result
 
 
+def halves(prepared: PreparedData) -> list[str]:
+    """The prepared dataset's documents in two indexed datasets (even and odd ones), beside it:
+    two prefixes for a `data.blend` (the demo's, the tests'). Written once, atomically."""
+    final = Path(prepared.prefix).parent / "halves"
+    prefixes = [str(final / f"half{part}") for part in (0, 1)]
+    if final.exists():
+        return prefixes
+    with _locked(final.parent / ".halves.lock"):
+        if final.exists():
+            return prefixes
+        import numpy as np
+
+        from megatron_runs.cpu_compat import stub_triton_kernels
+
+        stub_triton_kernels()  # importing megatron.core needs it where triton is absent
+        from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+        source = IndexedDataset(prepared.prefix)
+        tmp = final.parent / ".tmp-halves"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for part in (0, 1):
+            builder = IndexedDatasetBuilder(str(tmp / f"half{part}.bin"), dtype=source.index.dtype)
+            for i in range(part, len(source), 2):
+                doc = np.asarray(source[i])
+                builder.add_document(doc, [len(doc)])
+            builder.finalize(str(tmp / f"half{part}.idx"))
+        tmp.rename(final)
+    return prefixes
+
+
 def _build(docs: list[str], out: Path, vocab_size: int) -> dict[str, int]:
     import numpy as np
 

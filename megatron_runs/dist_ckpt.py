@@ -206,6 +206,8 @@ class Target:
     protect: frozenset[int] = frozenset()
     keep_seconds: float = 0.0
     loss_trend: tuple[float, ...] = ()
+    #: The newest evaluation at or before `step`: (its step, validation loss).
+    last_eval: tuple[int, float] | None = None
 
 
 class Writer:
@@ -368,7 +370,7 @@ def _publish(target: Target, phases: Phases) -> Path:
             phases.mark("fsync")
             ck.write_meta(
                 tmp, target.step, target.consumed_samples, target.loss, target.layout,
-                loss_trend=target.loss_trend,
+                loss_trend=target.loss_trend, last_eval=target.last_eval,
             )  # fmt: skip
             phases.mark("meta")
             ck.publish(target.root, target.step)

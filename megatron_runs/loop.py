@@ -138,11 +138,14 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
             )  # fmt: skip
             checkpoints.interval = done.interval
         stop_requested = done.signum > 0
+        # Not on a stop signal: its lead time is the checkpoint's (the curve misses one point).
+        if t.eval_interval and done.step % t.eval_interval == 0 and not stop_requested:
+            tr.last_eval = (done.step, _evaluate(spec, tr, plan, done.step))
         if done.step % checkpoints.interval == 0 or done.step >= target or stop_requested:
             finish_param_gather(tr.model)
             checkpoints.save(
                 tr.model, tr.optimizer, tr.step, tr.cursor, done.loss, tuple(trend.losses),
-                done.wall,
+                done.wall, tr.last_eval,
             )  # fmt: skip
         if stop_requested and done.step < target:  # a signal at the last step changes nothing
             tr.log("stopping_on_signal", step=done.step, signal=done.signum)
@@ -180,7 +183,7 @@ def _train_step(
     taken = take_step(tr.cursor, t.global_batch_size, ctx.skip_ranges)
     mine = rank_slice(taken.indices, tr.dp_rank, tr.dp_size)
     batches = build_microbatches(
-        tr.stream, mine, t.micro_batch_size, t.seed, spec.model.vocab_size, tr.faults.poison_effect
+        tr.source, mine, t.micro_batch_size, t.seed, spec.model.vocab_size, tr.faults.poison_effect
     )
     # The interleaved schedule reads each model chunk's microbatches from its own iterator.
     chunks = [to_device(batches, tr.device) for _ in tr.model]
@@ -236,6 +239,62 @@ def _train_step(
         busy=busy,
         wall=time.perf_counter() - step_start,
     )
+
+
+def _evaluate(spec: RunSpec, tr: Trainer, plan: _Plan, step: int) -> float:
+    """The validation loss: the mean microbatch loss over the first `eval_iters` global
+    batches of the valid split (the same samples every time), forward only, averaged over the
+    data-parallel ranks by one all-reduce. Consumes no training sample and changes no state
+    training reads (no update, no RNG: dropout is off in eval mode), so the training losses
+    are those of a run without evaluations. Logged as an `eval` line on every rank and
+    exported as `nightwatch_train_eval_loss`."""
+    t = spec.training
+    assert tr.valid is not None  # the spec's validator: eval_interval needs a valid split
+    t0 = time.perf_counter()
+    # As Megatron-LM's train loop around evaluate: the overlapped param all-gather's hooks off
+    # (finishing the gather) for the forward-only passes, back on for the next step. GPU only
+    # (distributed optimizer, DP > 1); the CPU tests do not reach it.
+    overlapped = [c for c in tr.model if getattr(c, "use_forward_hook", False)]
+    for chunk in overlapped:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    for chunk in tr.model:
+        chunk.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=tr.device)
+    with torch.no_grad():
+        for k in range(t.eval_iters):
+            indices = range(k * t.global_batch_size, (k + 1) * t.global_batch_size)
+            mine = rank_slice(indices, tr.dp_rank, tr.dp_size)
+            batches = build_microbatches(
+                tr.valid, mine, t.micro_batch_size, t.seed, spec.model.vocab_size
+            )
+            chunks = [to_device(batches, tr.device) for _ in tr.model]
+            out = plan.fwd_bwd(
+                forward_step_func=forward_step,
+                data_iterator=chunks if len(chunks) > 1 else chunks[0],
+                model=tr.model,
+                num_microbatches=plan.num_micro,
+                seq_length=spec.model.seq_length,
+                micro_batch_size=t.micro_batch_size,
+                decoder_seq_length=spec.model.seq_length,
+                forward_only=True,
+            )
+            if plan.loss_reporter and out:
+                total[0] += torch.stack([d["lm loss"] for d in out]).double().sum()
+                total[1] += len(out)
+    for chunk in tr.model:
+        chunk.train()
+    for chunk in overlapped:
+        chunk.enable_forward_pre_hook()
+    torch.distributed.all_reduce(total)
+    loss_sum, count = total.tolist()
+    loss = loss_sum / count if count > 0 else math.nan
+    if tr.metrics is not None:
+        tr.metrics.on_eval(step, loss)
+    tr.log(
+        "eval", all_ranks=True, step=step, loss=loss, iters=t.eval_iters,
+        samples=t.eval_iters * t.global_batch_size, seconds=round(time.perf_counter() - t0, 4),
+    )  # fmt: skip
+    return loss
 
 
 def _judge(

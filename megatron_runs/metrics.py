@@ -109,6 +109,21 @@ class TrainMetrics:
         m["tokens_per_second"].set(r.tokens / r.step_time if r.step_time > 0 else 0.0)
         m["mfu_ratio"].set(r.mfu)
 
+    def on_resumed_eval(self, last_eval: tuple[int, float] | None) -> None:
+        """The resumed checkpoint's newest evaluation: the watchdog compares this attempt's
+        first evaluation with it (`eval_jump`). No evaluation yet in this attempt."""
+        if not self.run_level:
+            return
+        self._m["eval_resumed_loss"].set(math.nan if last_eval is None else last_eval[1])
+        self._m["eval_loss"].set(math.nan)
+        self._m["eval_step"].set(math.nan)
+
+    def on_eval(self, step: int, loss: float) -> None:
+        if not self.run_level:
+            return
+        self._m["eval_loss"].set(loss)
+        self._m["eval_step"].set(step)
+
     def on_checkpoint(self, step: int, duration: float, ok: bool) -> None:
         if not self.run_level:
             return

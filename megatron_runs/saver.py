@@ -72,6 +72,7 @@ class Checkpointer:
         loss: float,
         loss_trend: tuple[float, ...] = (),
         step_seconds: float = 0.0,
+        last_eval: tuple[int, float] | None = None,
     ) -> None:
         """Save at `step` (collective); with async saves, start it and return. `step_seconds`:
         the wall time of the step before it, recorded with the save's own timing."""
@@ -79,7 +80,7 @@ class Checkpointer:
         self.step_seconds = step_seconds
         target = dist_ckpt.Target(
             self.root, step, cursor, loss, self.layout, self.spec.keep_last, self.protect,
-            self.spec.keep_seconds, loss_trend,
+            self.spec.keep_seconds, loss_trend, last_eval,
         )  # fmt: skip
         t0 = self.started = time.perf_counter()
         try:

@@ -33,8 +33,8 @@ from contracts import checkpoints as ck  # noqa: E402
 from contracts.paths import nightwatch_home  # noqa: E402
 from contracts.spec import RunSpec  # noqa: E402
 from contracts.task import TrainContext  # noqa: E402
-from megatron_runs import dist_ckpt  # noqa: E402
-from megatron_runs.data import TokenStream  # noqa: E402
+from megatron_runs import blend, dist_ckpt  # noqa: E402
+from megatron_runs.data import Source, TokenStream  # noqa: E402
 from megatron_runs.data_prep import prepare  # noqa: E402
 from megatron_runs.faults import Faults  # noqa: E402
 from megatron_runs.metrics import TrainMetrics  # noqa: E402
@@ -110,7 +110,9 @@ class Trainer:
     device: torch.device
     model: list
     optimizer: object
-    stream: TokenStream
+    #: The training samples by global sample index, and the valid samples (data.split).
+    source: Source
+    valid: Source | None
     #: The job's nodes in rank order, and this rank's node's place among them.
     nodes: list[str]
     node_index: int
@@ -131,11 +133,16 @@ class Trainer:
     metrics: TrainMetrics | None
     #: The good steps' losses the resumed checkpoint kept for the spike judgement.
     loss_trend: tuple[float, ...] = ()
+    #: The resumed checkpoint's newest evaluation (step, validation loss), then the loop's.
+    last_eval: tuple[int, float] | None = None
 
 
 def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     """Everything before the first step, each phase timed on `clock`; a checkpoint in
     `ctx.checkpoint_dir` (the newest, or `ctx.resume_step`'s) is loaded."""
+    # Before the process group: Megatron's dataset builder builds on every rank alone then.
+    source, valid = _data(spec)
+    clock.mark("data")
     rank, world, local_rank, device = init_distributed()
     p = spec.parallelism
     if world != p.world_size:
@@ -147,7 +154,6 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     bf16 = spec.model.precision == "bf16" and not CPU
-    stream = TokenStream(_data_prefix(spec), spec.model.seq_length)
     model, config = build_model(spec, bf16)
     optimizer = build_optimizer(spec, model, bf16)
     clock.mark("model_and_optimizer")
@@ -165,13 +171,16 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     dp_size = ps.get_data_parallel_world_size()
     root = Path(ctx.checkpoint_dir)
     clock.mark("other")
-    step, cursor, resumed_from, loss_trend = _resume(model, optimizer, root, ctx, rank, log, clock)
+    step, cursor, resumed_from, loss_trend, last_eval = _resume(
+        model, optimizer, root, ctx, rank, log, clock
+    )
     metrics = None
     if ctx.metrics_port is not None and local_rank == 0:
         metrics = _serve_metrics(ctx, rank, t.train_steps, step, cursor, log)
+        metrics.on_resumed_eval(last_eval)
     return Trainer(
         log=log, rank=rank, world=world, device=device, model=model, optimizer=optimizer,
-        stream=stream, nodes=nodes, node_index=nodes.index(ctx.node), faults=faults,
+        source=source, valid=valid, nodes=nodes, node_index=nodes.index(ctx.node), faults=faults,
         local_grads=local_grads, dp_rank=ps.get_data_parallel_rank(), dp_size=dp_size,
         layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": dp_size},
         features={
@@ -181,7 +190,7 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
         },
         root=root,
         step=step, cursor=cursor, resumed_from=resumed_from, metrics=metrics,
-        loss_trend=loss_trend,
+        loss_trend=loss_trend, last_eval=last_eval,
     )  # fmt: skip
 
 
@@ -224,10 +233,17 @@ def _job_nodes(node: str) -> list[str]:
     return list(dict.fromkeys(n for n in names if n is not None))
 
 
-def _data_prefix(spec: RunSpec) -> str:
-    if spec.data.prefix:
-        return spec.data.prefix
-    return prepare(None, nightwatch_home() / "data", spec.model.vocab_size).prefix
+def _data(spec: RunSpec) -> tuple[Source, Source | None]:
+    """The training samples and the valid ones: one prefix (or the demo corpus) without a
+    split read as a `TokenStream`, anything else through Megatron's datasets (`blend`)."""
+    demo = None
+    if spec.data.prefix is None and spec.data.blend is None:
+        demo = prepare(None, nightwatch_home() / "data", spec.model.vocab_size).prefix
+    if not spec.data.megatron:
+        return TokenStream(
+            spec.data.prefix or demo, spec.model.seq_length, spec.training.seed
+        ), None
+    return blend.build(spec, demo)
 
 
 def build_model(
@@ -329,15 +345,15 @@ def _resume(
     rank: int,
     log: Log,
     clock: SetupClock,
-) -> tuple[int, int, int | None, tuple[float, ...]]:
+) -> tuple[int, int, int | None, tuple[float, ...], tuple[int, float] | None]:
     """Load the checkpoint to go on from: (step, sample cursor, the step resumed from, its
-    loss trend); from scratch (0, 0, None, ()) when `root` holds none. Rank 0 then unpins the
-    older checkpoints."""
+    loss trend, its last evaluation); from scratch (0, 0, None, (), None) when `root` holds
+    none. Rank 0 then unpins the older checkpoints."""
     info = ck.choose(root, ctx.resume_step)
     if ctx.resume_step and (info is None or info.step != ctx.resume_step):
         log("resume_step_unavailable", asked=ctx.resume_step, using=info.step if info else 0)
     if info is None:
-        return 0, 0, None, ()
+        return 0, 0, None, (), None
     t0 = time.perf_counter()
     loaded = dist_ckpt.load(model, optimizer, info)
     fuse_adam(optimizer)
@@ -349,7 +365,7 @@ def _resume(
             ck.unpin_below(root, step)
         except OSError as exc:  # housekeeping: never worth a crash loop
             log("unpin_failed", error=repr(exc))
-    return step, loaded.consumed_samples, info.step, info.loss_trend
+    return step, loaded.consumed_samples, info.step, info.loss_trend, info.last_eval
 
 
 def _serve_metrics(

@@ -46,6 +46,8 @@ class ReportData:
     actions: Sequence[Row] = ()
     checkpoints: Sequence[Row] = ()
     loss: Sequence[LossPoint] = ()
+    #: The validation loss (the trainer's `eval` lines), source "eval".
+    eval_loss: Sequence[LossPoint] = ()
     global_batch_size: int = 1
     now: float = 0.0
 
@@ -105,6 +107,7 @@ class Report:
     timeline: list[TimelineEntry]
     windows: list[Window]
     loss: list[LossPoint] = field(default_factory=list)
+    eval_loss: list[LossPoint] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +123,7 @@ class Report:
             "timeline": [TimelineEntry(**e) for e in data["timeline"]],
             "windows": [Window(**w) for w in data["windows"]],
             "loss": [LossPoint(**p) for p in data["loss"]],
+            "eval_loss": [LossPoint(**p) for p in data.get("eval_loss", ())],
         }
         return cls(**{**data, **nested})
 
@@ -440,6 +444,9 @@ def build_report(data: ReportData) -> Report:
         timeline=timeline,
         windows=windows,
         loss=loss,
+        eval_loss=sorted(
+            (p for p in data.eval_loss if math.isfinite(p.loss)), key=lambda p: (p.t or 0.0, p.step)
+        ),
     )
 
 
@@ -483,6 +490,9 @@ def render_text(report: Report) -> str:
         "Timeline (UTC)",
     ]
     out += [f"  {_fmt_clock(e.t)}  {e.what:<9} {e.text}" for e in report.timeline] or ["  -"]
+    if report.eval_loss:
+        out += ["", "Validation loss (per attempt: its evaluations, first, best and last)"]
+        out += [_eval_line(attempt, points) for attempt, points in _by_attempt(report.eval_loss)]
     if report.incidents:
         header = f"  {'kind':<20} {'remedy':<15} {'detect':<8} {'MTTR':<8} {'lost':<5} state"
         out += ["", "Incidents", header]
@@ -493,6 +503,24 @@ def render_text(report: Report) -> str:
                 f"{'-' if i.steps_lost is None else i.steps_lost:<5} {i.state}"
             )
     return "\n".join(out) + "\n"
+
+
+def _by_attempt(points: Iterable[LossPoint]) -> list[tuple[int | None, list[LossPoint]]]:
+    groups: dict[int | None, list[LossPoint]] = {}
+    for p in points:
+        groups.setdefault(p.attempt, []).append(p)
+    return sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+
+
+def _eval_line(attempt: int | None, points: list[LossPoint]) -> str:
+    """One attempt's evaluations on one line: a long run evaluates thousands of times."""
+    first, last = points[0], points[-1]
+    best = min(points, key=lambda p: p.loss)
+    return (
+        f"  attempt {'-' if attempt is None else attempt}: {len(points)} at steps "
+        f"{first.step}-{last.step}, first {first.loss:.4f}, best {best.loss:.4f} "
+        f"(step {best.step}), last {last.loss:.4f}"
+    )
 
 
 def loss_from_checkpoints(checkpoints: Iterable[Row]) -> list[LossPoint]:

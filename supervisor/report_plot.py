@@ -1,4 +1,5 @@
-"""The report as a picture: loss over steps, incidents marked, rollback and skipped data shaded.
+"""The report as a picture: loss over steps, incidents marked, rollback and skipped data shaded,
+the validation loss (when the run evaluates) as squares per attempt.
 
 Kept apart from `supervisor.report` so the API and the text report never import matplotlib;
 only `nightwatch report --plot` does. Builds a bare `Figure` (no pyplot, so no GUI backend and
@@ -8,6 +9,7 @@ no global figure state on a login node without a display).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -89,6 +91,7 @@ def _wall(ax: Axes, report: Report) -> None:
             xy=(minutes(incident.fault_t), 0), xycoords=("data", "axes fraction"),
             xytext=(3, 4), textcoords="offset points", va="bottom", fontsize=8, color="tab:red",
         )  # fmt: skip
+    _validation(ax, report, lambda p: minutes(p.t or t0))
     ax.set_xlabel(f"minutes since the run started (downtime {report.downtime_s:.0f} s)")
 
 
@@ -126,4 +129,14 @@ def _steps(ax: Axes, report: Report) -> None:
             fontsize=8,
             color="tab:red",
         )
+    _validation(ax, report, lambda p: p.step)
     ax.set_xlabel("step")
+
+
+def _validation(ax: Axes, report: Report, x: Callable[[LossPoint], float]) -> None:
+    """The validation loss: one dashed line of squares per attempt, labelled once."""
+    groups = sorted(_by_attempt(list(report.eval_loss)).items(), key=lambda kv: kv[0] or 0)
+    for i, (_, points) in enumerate(groups):
+        points.sort(key=lambda p: (p.t or 0.0, p.step))
+        ax.plot([x(p) for p in points], [p.loss for p in points], "s--", color="tab:purple",
+                ms=4, lw=1, label="validation loss" if i == 0 else None)  # fmt: skip

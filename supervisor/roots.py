@@ -57,7 +57,15 @@ def confine(spec: RunSpec, settings: Settings) -> tuple[RunSpec, list[Problem]]:
             resolved[name] = os.path.realpath(value)
             if not _inside(resolved[name], data_roots):
                 problems.append(_outside(f"data.{name}", resolved[name], data_roots))
-    data = data.model_copy(update=resolved)
+    blend = None
+    if data.blend is not None:
+        blend = []
+        for i, part in enumerate(data.blend):
+            folder = os.path.realpath(part.prefix)
+            if not _inside(folder, data_roots):
+                problems.append(_outside(f"data.blend[{i}].prefix", folder, data_roots))
+            blend.append(part.model_copy(update={"prefix": folder}))
+    data = data.model_copy(update={**resolved, "blend": blend})
     return spec.model_copy(update={"checkpoint": checkpoint, "data": data}), problems
 
 

@@ -68,10 +68,13 @@ def read_log(files: dict[str, Path], node: str | None, tail: int, offset: int | 
     return LogChunk(node=chosen, nodes=nodes, text=text, offset=end)
 
 
-def loss_points(home: Path, run_id: str, attempts: Sequence[Mapping[str, Any]]) -> list[LossPoint]:
+def loss_points(
+    home: Path, run_id: str, attempts: Sequence[Mapping[str, Any]], event: str = "step"
+) -> list[LossPoint]:
     """The loss curve from the trainer's own `step` lines (every `log_interval` steps and every
     skipped update), each with the time it was logged: the report's curve when no Prometheus
-    server keeps the samples. Rank 0 logs on the attempt's first node."""
+    server keeps the samples. Rank 0 logs on the attempt's first node. `event="eval"`: the
+    validation loss from its `eval` lines (`training.eval_interval`)."""
     out: list[LossPoint] = []
     for a in attempts:
         if not a.get("job_id"):
@@ -83,20 +86,21 @@ def loss_points(home: Path, run_id: str, attempts: Sequence[Mapping[str, Any]]) 
             text = path.read_text(errors="replace")
         except OSError:
             continue
-        out.extend(_step_points(text, number))
+        out.extend(_step_points(text, number, event))
     return out
 
 
-def _step_points(text: str, attempt: int) -> list[LossPoint]:
-    """The finite losses of a rank's `step` events (`launch_local.log_events` parses them)."""
+def _step_points(text: str, attempt: int, event: str = "step") -> list[LossPoint]:
+    """The finite losses of global rank 0's `event` lines (`launch_local.log_events` parses
+    them; every rank logs its `eval` lines, the same value)."""
     points = []
     for row in log_events(text):
-        if row.get("event") != "step":
+        if row.get("event") != event or row.get("rank", 0) != 0:
             continue
         try:
             point = LossPoint(
                 step=int(row["step"]), loss=float(row["loss"]), attempt=attempt,
-                t=float(row["ts"]), source="log",
+                t=float(row["ts"]), source="log" if event == "step" else event,
             )  # fmt: skip
         except (ValueError, KeyError, TypeError):
             continue  # a line of another shape

@@ -32,7 +32,10 @@ def privileged_fields(spec: RunSpec, settings: Settings) -> list[str]:
 
 
 def has_paths(spec: RunSpec) -> bool:
-    return any(p is not None for p in (spec.checkpoint.dir, spec.data.prefix, spec.data.tokenizer))
+    data = spec.data
+    return data.blend is not None or any(
+        p is not None for p in (spec.checkpoint.dir, data.prefix, data.tokenizer)
+    )
 
 
 async def path_problems(spec: RunSpec, settings: Settings) -> tuple[RunSpec, list[Problem]]:

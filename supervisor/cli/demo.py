@@ -33,8 +33,11 @@ BATCH = 8
 POISON = (35 * BATCH, 59 * BATCH)
 
 
-def demo_spec(steps: int, prefix: str, tokenizer: str) -> dict[str, Any]:
-    """The tiny CPU run (examples/tiny-cpu.yaml's shape) with a poisoned data window."""
+def demo_spec(
+    steps: int, prefix: str, tokenizer: str, blend: list[str] | None = None
+) -> dict[str, Any]:
+    """The tiny CPU run (examples/tiny-cpu.yaml's shape) with a poisoned data window; on a
+    3:1 blend of `blend`'s two datasets when given (`nightwatch demo`: the corpus's halves)."""
     return {
         "name": "demo-tiny-cpu",
         "model": {
@@ -54,8 +57,20 @@ def demo_spec(steps: int, prefix: str, tokenizer: str) -> dict[str, Any]:
             "lr": 1e-3,
             "min_lr": 1e-4,
             "lr_warmup_steps": 10,
+            # A validation loss on 5 % of the documents held out: the report lists it, and
+            # the watchdog checks that the rollback's first evaluation did not jump.
+            "eval_interval": 10,
+            "eval_iters": 2,
         },
-        "data": {"prefix": prefix, "tokenizer": tokenizer},
+        "data": {
+            **(
+                {"blend": [{"prefix": blend[0], "weight": 3}, {"prefix": blend[1], "weight": 1}]}
+                if blend
+                else {"prefix": prefix}
+            ),
+            "tokenizer": tokenizer,
+            "split": "95,5",
+        },
         "checkpoint": {"interval_steps": 10, "keep_last": 5},
         # Practice: skip well past the bad window (DOMAIN.md: hundreds of batches at scale).
         "recovery": {
@@ -158,9 +173,10 @@ def demo(
     )
     typer.echo(f"nightwatch demo — home {home} (logs: supervisor.log, jobs-stderr.log, runs/)")
     typer.echo("preparing the demo corpus (tokenizer + Megatron indexed dataset)…")
-    from megatron_runs.data_prep import prepare
+    from megatron_runs.data_prep import halves, prepare
 
     data = prepare(None, home / "data" / "demo", 4096)
+    blend = halves(data)
     db = Database(settings.db_url)
     db.upgrade()
     api = create_app(settings, database=db)
@@ -172,12 +188,13 @@ def demo(
         supervisor_metrics=api.state.metrics,
         cluster=cluster,
     )
-    spec = RunSpec.model_validate(demo_spec(steps, data.prefix, data.tokenizer_path))
+    spec = RunSpec.model_validate(demo_spec(steps, data.prefix, data.tokenizer_path, blend))
     with db.write_session() as s:
         run, _ = store.create_run(s, spec, created_by="demo")
     run_id = run.id
     typer.echo(
-        f"submitted run {run_id}: {steps} steps, TP 2 × PP 2 on 4 CPU processes; "
+        f"submitted run {run_id}: {steps} steps, TP 2 × PP 2 on 4 CPU processes, a 3:1 blend "
+        f"of the corpus's halves with 5 % held out for a validation loss every 10 steps; "
         f"samples [{POISON[0]}, {POISON[1]}) are poisoned (steps {POISON[0] // BATCH + 1}-"
         f"{POISON[1] // BATCH})"
     )

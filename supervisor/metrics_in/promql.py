@@ -64,6 +64,9 @@ QUERIED_FIELDS = (
     "checkpoint_step",
     "checkpoint_failures_total",
     "replica_mismatches_total",
+    "eval_loss",
+    "eval_step",
+    "eval_resumed_loss",
 )
 
 

@@ -38,6 +38,9 @@ RUN_FIELDS: dict[str, str] = {
     "replica_checks_total": exposed("replica_checks"),
     "replica_mismatches_total": exposed("replica_mismatches"),
     "up": exposed("up"),
+    "eval_loss": exposed("eval_loss"),
+    "eval_step": exposed("eval_step"),
+    "eval_resumed_loss": exposed("eval_resumed_loss"),
 }
 STEP_TIME = exposed("step_time_window_avg_seconds")
 NONFINITE_GRADS = exposed("nonfinite_grads")
@@ -49,7 +52,9 @@ PRIMARY_MARKER = exposed("loss")
 #: (the node's training processes exited, as after a rank crash). A frozen or dead host
 #: answers nothing, and its scrape fails at the scrape timeout (1 s and more).
 REFUSED_WITHIN_S = 0.25
-_INT_FIELDS = frozenset({"step", "target_steps", "samples_consumed", "checkpoint_step"})
+_INT_FIELDS = frozenset(
+    {"step", "target_steps", "samples_consumed", "checkpoint_step", "eval_step"}
+)
 _NAME_TO_FIELD = {name: f for f, name in RUN_FIELDS.items()}
 
 

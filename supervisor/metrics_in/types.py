@@ -52,6 +52,11 @@ class MetricSample:
     replica_checks_total: float | None = None
     replica_mismatches_total: float | None = None
     up: float | None = None
+    #: The attempt's last evaluation (None before its first) and the validation loss of the
+    #: newest evaluation its resumed checkpoint recorded (NaN: none).
+    eval_loss: float | None = None
+    eval_step: int | None = None
+    eval_resumed_loss: float | None = None
     step_time: Mapping[str, float] = field(default_factory=dict)  # node → window avg seconds
 
 

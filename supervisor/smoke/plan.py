@@ -101,11 +101,15 @@ def shrink(spec: RunSpec, gpus: int = 0, max_ranks: int = MAX_RANKS) -> SmokePla
                     "global_batch_size": microbatches * data,
                     "lr_warmup_steps": min(spec.training.lr_warmup_steps, 1),
                     "replica_check_every": min(spec.training.replica_check_every, 1),
+                    # An evaluating spec evaluates every step: the forward-only schedule runs
+                    # on the real layout (the split is kept, on the demo corpus).
+                    "eval_interval": min(spec.training.eval_interval, 1),
+                    "eval_iters": 1,
                     "token_budget": None,
                     "log_interval": 1,
                 }
             ),
-            "data": spec.data.model_copy(update={"prefix": None, "tokenizer": None}),
+            "data": spec.data.model_copy(update={"prefix": None, "blend": None, "tokenizer": None}),
             "checkpoint": spec.checkpoint.model_copy(
                 update={"interval_steps": RESUME_AT, "dir": None}
             ),

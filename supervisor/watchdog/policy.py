@@ -525,7 +525,7 @@ def decide(
         return _escalate(f"GPU job without GPUs: {finding.summary}", finding, Cause.CODE)
     if kind is FindingKind.JOB_CANCELLED:
         return _escalate("job cancelled outside nightwatch", finding)
-    if kind in (FindingKind.REPLICA_MISMATCH, FindingKind.CHECKPOINT_STALL):
+    if kind in (FindingKind.REPLICA_MISMATCH, FindingKind.CHECKPOINT_STALL, FindingKind.EVAL_JUMP):
         return _escalate(finding.summary, finding)
     if kind in (FindingKind.CHECKPOINT_FAILURE, FindingKind.THROUGHPUT_DROP):
         return Remedy(RemedyKind.OBSERVE, finding.summary, finding=finding)

@@ -84,6 +84,8 @@ class FindingKind(enum.StrEnum):
     JOB_LOST = "job_lost"
     JOB_ENDED_EARLY = "job_ended_early"  # exit 0 before target: walltime chaining
     JOB_NO_GPU = "job_no_gpu"  # a GPU run's rank found fewer GPUs than it was given
+    #: A resumed attempt's first validation loss jumped above its checkpoint's recorded one.
+    EVAL_JUMP = "eval_jump"
     #: Bad steps the trainer contained (updates skipped, or a tolerated spike): recorded as an
     #: incident with its evidence, no remedy.
     CONTAINED = "contained"

@@ -151,3 +151,16 @@ def test_error_tail_starts_at_the_last_traceback() -> None:
         "f8",
         "f9",
     ]
+
+
+def test_an_evaluating_blend_smokes_its_split_and_evaluates_every_step() -> None:
+    data = SPECS["llama-8b-32gpu"].model_dump()
+    data["data"] = {"blend": [{"prefix": "/d/a", "weight": 2}, {"prefix": "/d/b", "weight": 1}],
+                    "split": "98,2"}  # fmt: skip
+    data["training"].update(eval_interval=1000, eval_iters=50)
+    small = shrink(RunSpec.model_validate(data), gpus=0).spec
+    assert small.data.blend is None and small.data.prefix is None  # the demo corpus
+    assert small.data.split == "98,2"
+    assert (small.training.eval_interval, small.training.eval_iters) == (1, 1)
+    plain = shrink(SPECS["llama-8b-32gpu"], gpus=0).spec
+    assert (plain.training.eval_interval, plain.data.split) == (0, None)

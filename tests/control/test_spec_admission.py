@@ -161,6 +161,24 @@ def test_paths_inside_their_roots_are_stored_resolved(
     assert stored["spec"]["data"]["prefix"] == str(roots["data"].resolve() / "corpus/text_document")
 
 
+def test_every_blend_prefix_stays_inside_the_data_roots(
+    rooted: TestClient, tokens: Tokens, roots: dict[str, Path]
+) -> None:
+    inside = f"{roots['data']}/./a/text_document"
+    blend = [{"prefix": inside, "weight": 1}, {"prefix": "/etc/passwd", "weight": 2}]
+    response = rooted.post("/v1/runs", json=_spec(data={"blend": blend}), headers=tokens.headers())
+    assert response.status_code == 422, response.text
+    assert list(_problems(response)) == ["data.blend[1].prefix"]
+    blend[1]["prefix"] = f"{roots['data']}/b/text_document"
+    response = rooted.post("/v1/runs", json=_spec(data={"blend": blend}), headers=tokens.headers())
+    assert response.status_code == 201, response.text
+    stored = rooted.get(f"/v1/runs/{response.json()['id']}", headers=tokens.headers()).json()
+    assert [p["prefix"] for p in stored["spec"]["data"]["blend"]] == [
+        str(roots["data"].resolve() / "a/text_document"),
+        str(roots["data"].resolve() / "b/text_document"),
+    ]
+
+
 def test_default_roots_are_home_but_not_its_runs_folder(
     client: TestClient, tokens: Tokens, app_settings: Settings
 ) -> None:

@@ -104,7 +104,8 @@ def test_run_dashboard_is_scoped_to_its_run() -> None:
 def test_run_dashboard_covers_what_on_call_asked_for() -> None:
     titles = " / ".join(p["title"] for p in _panels(_dashboards()["run.json"])).lower()
     for needed in ("loss", "grad norm", "tokens/s", "mfu", "step time per node", "progress",
-                   "eta", "checkpoint age", "replica", "incidents", "ettr"):  # fmt: skip
+                   "eta", "checkpoint age", "replica", "incidents", "ettr",
+                   "validation loss"):  # fmt: skip
         assert needed in titles, needed
     for needed in ("since last step", "run state"):
         assert needed in titles, needed

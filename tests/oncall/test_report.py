@@ -231,3 +231,42 @@ def test_the_step_time_holds_the_saves_as_the_wall_clock_does() -> None:
     ]  # fmt: skip
     mean = (step_done[-1] - step_done[0]) / (len(step_done) - 1)
     assert mean_step_seconds(points) == pytest.approx(mean, rel=0.02)
+
+
+def _with_eval() -> Report:
+    points = [(10, 6.5, 1), (20, 6.0, 1), (30, math.nan, 2)]
+    evals = [LossPoint(s, x, a, at(s).timestamp(), "eval") for s, x, a in points]
+    return build_report(dataclasses.replace(scenario(), eval_loss=evals))
+
+
+def test_validation_loss_is_listed_and_round_trips() -> None:
+    report = _with_eval()
+    assert [(p.step, p.loss) for p in report.eval_loss] == [(10, 6.5), (20, 6.0)]  # NaN: none
+    text = render_text(report)
+    assert "Validation loss" in text
+    line = "  attempt 1: 2 at steps 10-20, first 6.5000, best 6.0000 (step 20), last 6.0000\n"
+    assert line in text
+    again = Report.from_dict(json.loads(report.to_json()))
+    assert again.eval_loss == report.eval_loss
+    assert "Validation loss" not in render_text(build_report(scenario()))
+
+
+def test_eval_points_come_from_rank_0s_eval_lines() -> None:
+    from supervisor.run_logs import _step_points
+
+    line = '{{"ts": {t}, "event": "{e}", "rank": {r}, "step": {s}, "loss": {x}}}'
+    text = "\n".join(
+        [
+            line.format(t=1.0, e="eval", r=0, s=4, x=5.5),
+            line.format(t=1.0, e="eval", r=1, s=4, x=5.5),  # the same value, another rank
+            line.format(t=2.0, e="step", r=0, s=5, x=7.0),
+            "not json",
+            line.format(t=3.0, e="eval", r=0, s=8, x=5.25),
+        ]
+    )
+    evals = _step_points(text, attempt=2, event="eval")
+    assert [(p.step, p.loss, p.attempt, p.t, p.source) for p in evals] == [
+        (4, 5.5, 2, 1.0, "eval"),
+        (8, 5.25, 2, 3.0, "eval"),
+    ]
+    assert [(p.step, p.source) for p in _step_points(text, attempt=2)] == [(5, "log")]

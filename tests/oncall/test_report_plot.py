@@ -9,6 +9,7 @@ import numpy as np
 from matplotlib.image import imread
 from report_scenario import scenario
 
+from supervisor.metrics_in import LossPoint
 from supervisor.report import build_report, loss_from_checkpoints
 from supervisor.report_plot import render_png
 
@@ -63,3 +64,13 @@ def _grey(px: np.ndarray) -> int:
     """Pixels of the light grey a 25 % grey band leaves on white."""
     r, g, b = px[..., 0], px[..., 1], px[..., 2]
     return int(((abs(r - g) < 0.02) & (abs(g - b) < 0.02) & (r > 0.78) & (r < 0.86)).sum())
+
+
+def test_the_validation_loss_is_drawn_in_purple(tmp_path: Path) -> None:
+    data = scenario()
+    evals = [LossPoint(s, 6.0 - s / 100, 1, None, "eval") for s in range(5, 45, 5)]
+    plain = _pixels(render_png(build_report(data), tmp_path / "plain.png"))
+    shown = _pixels(render_png(build_report(replace(data, eval_loss=evals)), tmp_path / "eval.png"))
+    purple = lambda px: ((px[..., 0] > 0.45) & (px[..., 0] < 0.7) & (px[..., 1] < 0.5)  # noqa: E731
+                         & (px[..., 2] > 0.6)).sum()  # fmt: skip
+    assert purple(shown) > 200 + purple(plain)

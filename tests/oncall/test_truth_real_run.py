@@ -54,6 +54,7 @@ def scenario_spec() -> dict[str, Any]:
     spec.update(
         name="truth-run",
         data={},  # the built-in demo corpus, prepared by the trainer under NIGHTWATCH_HOME
+        training={**spec["training"], "eval_interval": 0},  # no valid share held out here
         parallelism={"tensor": 1, "pipeline": 1, "data": 1, "distributed_optimizer": False},
         resources={"device": "cpu", "nodes": 1, "gpus_per_node": 1, "cpus_per_task": 1},
         checkpoint={"interval_steps": 10, "keep_last": 20},

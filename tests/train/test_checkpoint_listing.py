@@ -160,3 +160,16 @@ def test_the_compile_cache_lives_in_the_run_folder_and_survives_retention(
         _fake_ckpt(tmp_path, step)
     ck.retain(tmp_path, keep_last=1)
     assert (cache / "triton").is_dir()
+
+
+def test_the_last_evaluation_is_recorded_and_read_back(tmp_path: Path) -> None:
+    for step, last_eval in ((4, (4, 5.5)), (8, None), (12, (10, float("nan")))):
+        tmp = ck.tmp_dir(tmp_path, step)
+        tmp.mkdir(parents=True)
+        (tmp / "common.pt").write_bytes(b"y" * 10)
+        ck.write_meta(tmp, step, 8 * step, 2.5, LAYOUT, last_eval=last_eval)
+        ck.publish(tmp_path, step)
+    found = {c.step: c.last_eval for c in ck.list_checkpoints(tmp_path)}
+    assert found == {4: (4, 5.5), 8: None, 12: None}  # a non-finite loss compares with nothing
+    meta = json.loads((ck.step_dir(tmp_path, 4) / ck.META_NAME).read_text())
+    assert meta["last_eval"] == [4, 5.5]

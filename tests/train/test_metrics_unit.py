@@ -125,3 +125,23 @@ def test_endpoint_serves_on_loopback_ephemeral_port() -> None:
     m.on_step(_report(1, 2.0))
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'nightwatch_train_step{attempt="2",node="n1",run_id="r1"} 1.0' in body
+
+
+def test_eval_gauges_start_unset_then_carry_the_last_evaluation() -> None:
+    m = TrainMetrics("r1", 2, "n1", run_level=True)
+    m.on_resumed_eval((40, 5.25))  # the resumed checkpoint's newest evaluation
+    v = _values(m)
+    assert v["nightwatch_train_eval_resumed_loss"] == 5.25
+    assert math.isnan(v["nightwatch_train_eval_loss"]) and math.isnan(
+        v["nightwatch_train_eval_step"]
+    )
+    m.on_eval(60, 5.0)
+    v = _values(m)
+    assert (v["nightwatch_train_eval_step"], v["nightwatch_train_eval_loss"]) == (60, 5.0)
+    fresh = TrainMetrics("r1", 2, "n1", run_level=True)
+    fresh.on_resumed_eval(None)
+    assert math.isnan(_values(fresh)["nightwatch_train_eval_resumed_loss"])
+    node = TrainMetrics("r1", 2, "n1", run_level=False)
+    node.on_resumed_eval((40, 5.25))
+    node.on_eval(60, 5.0)
+    assert set(_values(node)) == set(metric_names(run_level=False))

@@ -314,6 +314,7 @@ def test_exclusion_budget_escalates(rc: RecoverySpec) -> None:
         (FindingKind.JOB_CANCELLED, Cause.UNKNOWN, RemedyKind.ESCALATE),
         (FindingKind.JOB_LOST, Cause.UNKNOWN, RemedyKind.RESTART),
         (FindingKind.REPLICA_MISMATCH, Cause.UNKNOWN, RemedyKind.ESCALATE),
+        (FindingKind.EVAL_JUMP, Cause.UNKNOWN, RemedyKind.ESCALATE),
         (FindingKind.CHECKPOINT_STALL, Cause.INFRA, RemedyKind.ESCALATE),
         (FindingKind.CHECKPOINT_FAILURE, Cause.INFRA, RemedyKind.OBSERVE),
         (FindingKind.THROUGHPUT_DROP, Cause.UNKNOWN, RemedyKind.OBSERVE),

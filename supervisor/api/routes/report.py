@@ -124,6 +124,7 @@ def report_data(
     else:
         loss = []
     loss += loss_from_checkpoints(checkpoints)
+    evals = loss_points(home, run_id, attempts, event="eval") if home is not None else []
     training = (run.spec_json or {}).get("training", {})
     return ReportData(
         run=_run_row(run),
@@ -132,6 +133,7 @@ def report_data(
         actions=actions,
         checkpoints=checkpoints,
         loss=loss,
+        eval_loss=evals,
         global_batch_size=int(training.get("global_batch_size", 1)),
         now=now,
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from contracts.spec import RecoverySpec
 from supervisor.watchdog.detectors.common import Detector, by_step
+from supervisor.watchdog.detectors.evaluation import detect_eval_jump
 from supervisor.watchdog.detectors.numeric import (
     detect_grad_explosion,
     detect_loss_spike,
@@ -55,6 +56,7 @@ ALL_DETECTORS: tuple[Detector, ...] = (
     detect_hang,
     detect_startup_hang,
     detect_replica_mismatch,
+    detect_eval_jump,
     detect_straggler,
     detect_checkpoint_problems,
     detect_throughput_drop,
@@ -72,6 +74,7 @@ __all__ = [
     "contained",
     "detect_all",
     "detect_checkpoint_problems",
+    "detect_eval_jump",
     "detect_grad_explosion",
     "detect_hang",
     "detect_job_state",
