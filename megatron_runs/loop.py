@@ -185,18 +185,7 @@ def _train_step(
     batches = build_microbatches(
         tr.source, mine, t.micro_batch_size, t.seed, spec.model.vocab_size, tr.faults.poison_effect
     )
-    # The interleaved schedule reads each model chunk's microbatches from its own iterator.
-    chunks = [to_device(batches, tr.device) for _ in tr.model]
-    out = plan.fwd_bwd(
-        forward_step_func=forward_step,
-        data_iterator=chunks if len(chunks) > 1 else chunks[0],
-        model=tr.model,
-        num_microbatches=plan.num_micro,
-        seq_length=spec.model.seq_length,
-        micro_batch_size=t.micro_batch_size,
-        decoder_seq_length=spec.model.seq_length,
-        forward_only=False,
-    )
+    out = _run_schedule(spec, tr, plan, batches, forward_only=False)
     ok, grad_norm, _ = tr.optimizer.step()
     busy = time.perf_counter() - step_start
     busy += tr.faults.straggle(step, busy)
@@ -267,17 +256,7 @@ def _evaluate(spec: RunSpec, tr: Trainer, plan: _Plan, step: int) -> float:
             batches = build_microbatches(
                 tr.valid, mine, t.micro_batch_size, t.seed, spec.model.vocab_size
             )
-            chunks = [to_device(batches, tr.device) for _ in tr.model]
-            out = plan.fwd_bwd(
-                forward_step_func=forward_step,
-                data_iterator=chunks if len(chunks) > 1 else chunks[0],
-                model=tr.model,
-                num_microbatches=plan.num_micro,
-                seq_length=spec.model.seq_length,
-                micro_batch_size=t.micro_batch_size,
-                decoder_seq_length=spec.model.seq_length,
-                forward_only=True,
-            )
+            out = _run_schedule(spec, tr, plan, batches, forward_only=True)
             if plan.loss_reporter and out:
                 total[0] += torch.stack([d["lm loss"] for d in out]).double().sum()
                 total[1] += len(out)
@@ -295,6 +274,25 @@ def _evaluate(spec: RunSpec, tr: Trainer, plan: _Plan, step: int) -> float:
         samples=t.eval_iters * t.global_batch_size, seconds=round(time.perf_counter() - t0, 4),
     )  # fmt: skip
     return loss
+
+
+def _run_schedule(
+    spec: RunSpec, tr: Trainer, plan: _Plan, batches: list, *, forward_only: bool
+) -> list:
+    """One global batch's microbatches through the pipeline schedule (forward and backward,
+    or forward only to evaluate); the last stage's per-microbatch loss records."""
+    # The interleaved schedule reads each model chunk's microbatches from its own iterator.
+    chunks = [to_device(batches, tr.device) for _ in tr.model]
+    return plan.fwd_bwd(
+        forward_step_func=forward_step,
+        data_iterator=chunks if len(chunks) > 1 else chunks[0],
+        model=tr.model,
+        num_microbatches=plan.num_micro,
+        seq_length=spec.model.seq_length,
+        micro_batch_size=spec.training.micro_batch_size,
+        decoder_seq_length=spec.model.seq_length,
+        forward_only=forward_only,
+    )
 
 
 def _judge(

@@ -422,11 +422,7 @@ class Actuator:
                 spec = RunSpec.model_validate(store.get_run(s, ctx.run_id).spec_json)
             job = "held" if ctx.job_active and ctx.job_id else None
             if job and spec.recovery.on_escalation == "cancel":
-                try:
-                    self._stop_job(ctx)
-                except SourceUnavailable as exc:
-                    log.warning(f"cancel failed, will retry: {exc}",
-                                extra=_ctx(ctx.run_id, ctx.attempt))  # fmt: skip
+                if not self._try_stop_job(ctx):
                     return False
                 job = "cancelled"
             self._finish(key, True, {"job": job} if job else {})
@@ -437,13 +433,8 @@ class Actuator:
         if remedy.to_step:
             self._pin_checkpoint(run, remedy.to_step, ctx)
         in_job = self._in_job(ctx, remedy, run)
-        if in_job is None:
-            try:
-                self._stop_job(ctx)
-            except SourceUnavailable as exc:
-                log.warning(f"cancel failed, will retry: {exc}",
-                            extra=_ctx(ctx.run_id, ctx.attempt))  # fmt: skip
-                return False
+        if in_job is None and not self._try_stop_job(ctx):
+            return False
         updates: dict[str, Any] = {}
         if remedy.kind is RemedyKind.ROLLBACK and remedy.skip_ranges:
             updates["skip_ranges_json"] = merge_ranges([*run.skip_ranges_json, *remedy.skip_ranges])
@@ -599,6 +590,15 @@ class Actuator:
 
     def _checkpoint_root(self, run: Run) -> Path:
         return checkpoint_dir(self.config.home, run.id, RunSpec.model_validate(run.spec_json))
+
+    def _try_stop_job(self, ctx: ActContext) -> bool:
+        """`_stop_job`, False (logged) when SLURM could not be asked: the action is retried."""
+        try:
+            self._stop_job(ctx)
+        except SourceUnavailable as exc:
+            log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
+            return False
+        return True
 
     def _stop_job(self, ctx: ActContext) -> None:
         if ctx.job_id and ctx.job_active:
