@@ -8,7 +8,7 @@ import pytest
 
 from supervisor import launcher
 from supervisor.slurm import JobState, wait_for
-from supervisor.watchdog.snapshot import FindingKind, RemedyKind
+from supervisor.watchdog.snapshot import Cause, FindingKind, RemedyKind
 
 from .cluster_helpers import job_logs, latest, watchdog_remedy
 
@@ -24,14 +24,16 @@ def test_run_longer_than_time_limit_chains_attempts(slurm, tmp_path, toy_spec, t
     spec = toy_spec("walltime", steps=35, interval=1000, time_limit=1)
     plan = toy_plan(tmp_path, spec, signal_delay_s=50)
     plan = replace(plan, env={**plan.env, "TOY_STEP_SECONDS": "1.0"})
-    outcomes = []
+    outcomes, causes = [], []
     for attempt in range(1, 13):
         sub = launcher.submit(slurm, replace(plan, attempt=attempt))
         status = wait_for(slurm, sub.job_id, lambda s: s.state.terminal, timeout_s=120)
         step = latest(plan.checkpoint_dir)
         logs = job_logs(slurm, sub.job_id, plan.log_dir)
         remedy = watchdog_remedy(status, spec, step, logs)
-        outcomes.append((remedy.finding.kind if remedy.finding else status.state, step))
+        finding = remedy.finding
+        outcomes.append((finding.kind if finding else status.state, step))
+        causes.append(finding.cause if finding else None)
         if remedy.kind is RemedyKind.NONE:
             break
         assert remedy.kind is RemedyKind.REQUEUE, logs
@@ -39,8 +41,12 @@ def test_run_longer_than_time_limit_chains_attempts(slurm, tmp_path, toy_spec, t
     assert outcomes[-1] == (JobState.COMPLETED, 35), outcomes
     # every stop before the last was the time limit (checkpointed); nothing went backwards
     assert len(outcomes) >= 2, outcomes
-    # (TIMEOUT when the warning and the limit came in the same slurmctld cycle)
+    # (TIMEOUT when the warning and the limit came in the same slurmctld cycle; a task the
+    # warning killed before its handler was in place fails, blamed on the walltime from its
+    # log: infra, requeued, nothing trained to lose)
     stops = (FindingKind.JOB_PREEMPTED, FindingKind.JOB_TIMEOUT)
-    assert all(kind in stops for kind, _ in outcomes[:-1]), outcomes
+    for (kind, _), cause in zip(outcomes[:-1], causes, strict=False):
+        early = kind is FindingKind.JOB_FAILED and cause is Cause.INFRA
+        assert kind in stops or early, (outcomes, causes)
     steps = [step for _, step in outcomes]
     assert steps == sorted(steps) and 0 < steps[-2] < 35, outcomes
