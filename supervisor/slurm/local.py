@@ -19,6 +19,7 @@ import psutil
 import submitit
 
 from contracts import exitcodes
+from contracts.restart import read_exit_codes
 from supervisor.slurm.files import job_log_files, private_submission
 from supervisor.slurm.types import (
     JobRequest,
@@ -76,7 +77,7 @@ class LocalCluster:
         if job_id in self._cancelled:
             return JobStatus(job_id, JobState.CANCELLED, (node,), reason="cancelled")
         # submitit's local controller exits 0 whatever its tasks did: read the worker's records.
-        codes = [int(p.read_text()) for p in entry[1].glob(f"{job_id}_*_exit_code")]
+        codes = [code for _, code in read_exit_codes(entry[1], job_id)]
         code = task_exit_code(codes, self._tasks[job_id])
         if code is None:
             return JobStatus(job_id, JobState.FAILED, (node,), reason="task killed")
