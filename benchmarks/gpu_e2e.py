@@ -9,8 +9,9 @@ physical GPUs per node), the supervisor on SQLite, and submits GPU specs over th
 * one run per fault (`--faults`), each on one node with the other as the spare an exclusion
   moves to, tied to its cause as on CPU: the incident's detection latency, its MTTR, steps lost,
   the remedy, and the restarted attempt's start-up broken into its parts from the training log;
-  once per `--restart-paths` (in_job: the ranks restart inside the running job; resubmit: a
-  new job), so both paths are measured side by side in one call.
+  once per `--restart-paths` (in_job: the ranks restart inside the running job from the memory
+  tier; in_job_disk: the same, loading from disk; resubmit: a new job), so the paths are
+  measured side by side in one call.
 
 Results go to OUT/result.json and a table on stdout. The host must have been prepared with
 `scripts/gpu-host` (its environment exported), as the device machine has no package registry.
@@ -54,9 +55,14 @@ MODELS = {
     "125m": (12, 768, 12, 1024),
     "tiny": (2, 128, 4, 256),
 }
-#: How a remedy's next attempt starts (`recovery.restart_in_job`): inside the running job, or
+#: How a remedy's next attempt starts (`recovery.restart_in_job`, `checkpoint.in_memory`):
+#: inside the running job loading from the memory tier, inside the job loading from disk, or
 #: as a new job (cancel + sbatch), the path every remedy took before.
-RESTART_PATHS = {"in_job": True, "resubmit": False}
+RESTART_PATHS = {
+    "in_job": (True, True),
+    "in_job_disk": (True, False),
+    "resubmit": (False, True),
+}
 
 
 @dataclass
@@ -364,7 +370,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--restart-paths", nargs="+", default=["in_job"], choices=sorted(RESTART_PATHS),
-        help="run each fault once per path (in_job: restart inside the job; resubmit: sbatch)",
+        help="run each fault once per path (in_job: restart inside the job from the memory "
+        "tier; in_job_disk: inside the job from disk; resubmit: sbatch)",
     )  # fmt: skip
     parser.add_argument("--no-clean", action="store_true")
     parser.add_argument("--cpus-per-node", type=int, default=16)
@@ -396,8 +403,9 @@ def main() -> None:
             for path in args.restart_paths:
                 sections = dict(FAULTS[fault])
                 nodes = sections.pop("nodes", 1)
-                in_job = RESTART_PATHS[path]
+                in_job, in_memory = RESTART_PATHS[path]
                 sections["recovery"] = {"restart_in_job": in_job}
+                sections["checkpoint"] = {"in_memory": in_memory}
                 if in_job and args.spare_nodes:
                     sections["resources"] = {"spare_nodes": args.spare_nodes}
                 spec = gpu_spec(f"gpu-{fault}-{path}", s.data, args, nodes, per_node, **sections)

@@ -273,7 +273,11 @@ def _step_of(name: str) -> int | None:
 
 
 def retain(
-    root: Path | str, keep_last: int, protect: set[int] | None = None, keep_seconds: float = 0.0
+    root: Path | str,
+    keep_last: int,
+    protect: set[int] | None = None,
+    keep_seconds: float = 0.0,
+    stale_through: int | None = None,
 ) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints, those saved within
     `keep_seconds` of the newest, the `protect`ed and the pinned ones; return what was removed.
@@ -281,7 +285,9 @@ def retain(
     The time window is what a rollback needs: the newest checkpoint from before a fault the
     watchdog saw seconds later. With fast steps `keep_last` alone rotates it out first (10-step
     saves at 0.06 s a step keep 1.8 s of history with `keep_last` 3). Incomplete directories
-    older than the newest complete one and stale temp dirs go too.
+    older than the newest complete one and stale temp dirs go too: every temp dir, or with
+    `stale_through` those of that step and earlier, so that retention on a thread spares the
+    temp dir of the next save, already being written (a process saves at rising steps).
     """
     root = Path(root)
     complete = list_checkpoints(root)
@@ -299,6 +305,9 @@ def retain(
         shutil.rmtree(info.path, ignore_errors=True)
         removed.append(info.path)
     for stale in root.glob(f"{_TMP_PREFIX}*"):
+        step = _step_of(stale.name[len(_TMP_PREFIX) - len(_PREFIX) :])
+        if stale_through is not None and (step is None or step > stale_through):
+            continue
         shutil.rmtree(stale, ignore_errors=True)
         removed.append(stale)
     return removed

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -115,3 +115,20 @@ def failed_exit(codes: Sequence[tuple[int, int]]) -> int | None:
     ends, and SLURM reports the job."""
     failed = [code for _, code in codes if code not in exitcodes.CLEAN_EXITS]
     return failed[0] if failed else None
+
+
+#: The environment variable that hands a rank the in-memory checkpoint tier its node task
+#: keeps for it: the descriptors of its slots, comma-separated (`megatron_runs.ram_tier`).
+MEMORY_TIER_ENV = "NIGHTWATCH_MEMORY_TIER_FDS"
+#: Slots per rank: the newest capture, and the one before it while the next is written.
+MEMORY_TIER_SLOTS = 2
+
+
+def memory_tier_env(fds: Sequence[int]) -> dict[str, str]:
+    return {MEMORY_TIER_ENV: ",".join(str(fd) for fd in fds)}
+
+
+def memory_tier_fds(environ: Mapping[str, str]) -> tuple[int, ...]:
+    """The slot descriptors handed to this rank; empty when it has no memory tier."""
+    raw = environ.get(MEMORY_TIER_ENV, "")
+    return tuple(int(fd) for fd in raw.split(",") if fd)

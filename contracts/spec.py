@@ -269,6 +269,13 @@ class CheckpointSpec(_Strict):
         default=None, description="Default: $NIGHTWATCH_HOME/runs/<run id>/checkpoints."
     )
     async_save: bool = False
+    in_memory: bool = Field(
+        default=True,
+        description="With recovery.restart_in_job, also keep each rank's state at its newest "
+        "save in host memory that outlives the rank (twice the rank's state), so a restart "
+        "inside the job loads from RAM when every rank holds the checkpoint it resumes from; "
+        "disk stays the durable tier.",
+    )
     interval_auto: bool = Field(
         default=False,
         description="Save every sqrt(2 × save cost × MTBF) of training (Young/Daly), from the "

@@ -94,7 +94,7 @@ class HostBuffers:
         chunks: list[list[int]] = []  # tensor indices per chunk
         sizes: list[int] = []
         for i, t in enumerate(tensors):
-            need = _aligned(t.numel() * t.element_size(), self.ALIGN)
+            need = aligned(t.numel() * t.element_size(), self.ALIGN)
             if not chunks or sizes[-1] + need > self.CHUNK_BYTES:
                 chunks.append([])
                 sizes.append(0)
@@ -115,7 +115,7 @@ class HostBuffers:
             offset = 0
             for i in members:
                 views[i] = _tensor_at(flat.data_ptr() + offset, tensors[i])
-                offset += _aligned(tensors[i].numel() * tensors[i].element_size(), self.ALIGN)
+                offset += aligned(tensors[i].numel() * tensors[i].element_size(), self.ALIGN)
         self._tensors = [v for v in views if v is not None]
         return self._tensors
 
@@ -138,7 +138,7 @@ def _tensor_at(address: int, like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8).view(like.dtype).view(like.shape)
 
 
-def _aligned(n: int, align: int) -> int:
+def aligned(n: int, align: int) -> int:
     return -(-n // align) * align
 
 

@@ -72,7 +72,7 @@ class Loaded:
     path: Path
 
 
-def _unwrap(chunk: object) -> object:
+def unwrap(chunk: object) -> object:
     """The GPTModel inside DDP / Float16Module: its keys do not depend on the wrapping, so a
     checkpoint loads whatever the precision or DDP settings of the resuming run."""
     while hasattr(chunk, "module"):
@@ -83,10 +83,10 @@ def _unwrap(chunk: object) -> object:
 def _state_dict(model: list, optimizer: object, is_loading: bool, optimizer_format: str) -> dict:
     sd: dict = {}
     if len(model) == 1:
-        sd["model"] = _unwrap(model[0]).sharded_state_dict()
+        sd["model"] = unwrap(model[0]).sharded_state_dict()
     else:
         for i, chunk in enumerate(model):
-            sd[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
+            sd[f"model{i}"] = unwrap(chunk).sharded_state_dict()
     model_sd = {k: v for k, v in sd.items() if k.startswith("model")}
     merged = model_sd["model"] if len(model) == 1 else model_sd
     if optimizer_format == model_space.FORMAT:
@@ -271,7 +271,7 @@ class Writer:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
             staging = async_save.Staging(args[1], self._host, self._stream)
-            hooks = async_save.wait_before_updates(_inner_optimizers(optimizer), staging.captured)
+            hooks = async_save.wait_before_updates(inner_optimizers(optimizer), staging.captured)
         phases.mark("stage")
 
         def finalize() -> Path:
@@ -311,10 +311,9 @@ class Writer:
 
 def _fresh_tmp(target: Target) -> None:
     """An empty temp dir for the step on rank 0 before any rank writes (a failed earlier
-    attempt at the same step may have left one), once the last retention is over (it removes
-    stale temp dirs)."""
+    attempt at the same step may have left one). The last save's retention may still run: it
+    removes only temp dirs up to that save's step."""
     if torch.distributed.get_rank() == 0:
-        _Retention.join()
         tmp = ck.tmp_dir(target.root, target.step)
         target.root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -347,7 +346,10 @@ class _Retention:
     @staticmethod
     def _retain(target: Target) -> None:
         try:
-            ck.retain(target.root, target.keep_last, set(target.protect), target.keep_seconds)
+            ck.retain(
+                target.root, target.keep_last, set(target.protect), target.keep_seconds,
+                stale_through=target.step,
+            )  # fmt: skip
         except OSError as exc:  # housekeeping: the next save's retention tries again
             logger.warning("checkpoint retention under %s failed: %r", target.root, exc)
 
@@ -378,14 +380,14 @@ def _publish(target: Target, phases: Phases) -> Path:
             _Retention.start(target)
         except Exception as exc:  # local file work only: no collective was skipped
             problem = repr(exc)
-    ok = _all_ranks_ok(problem is None)
+    ok = all_ranks_ok(problem is None)
     phases.mark("outcome")
     if not ok:
         raise SaveFailed(f"step {target.step} not published: {problem or 'see rank 0'}")
     return ck.step_dir(target.root, target.step)
 
 
-def _all_ranks_ok(ok: bool) -> bool:
+def all_ranks_ok(ok: bool) -> bool:
     """The closing barrier, carrying whether this rank's part went well: every rank learns
     the outcome at the same collective, so a failure on rank 0 alone leaves no rank waiting
     in a barrier the others skipped."""
@@ -396,7 +398,7 @@ def _all_ranks_ok(ok: bool) -> bool:
 
 def load(model: list, optimizer: object, info: ck.CheckpointInfo) -> Loaded:
     """Load model and optimizer state in place from a verified checkpoint."""
-    _init_adam_state(optimizer)
+    init_adam_state(optimizer)
     content = dist_checkpointing.load_content_metadata(str(info.path)) or {}
     optimizer_format = content.get(_FORMAT_KEY, _UNNAMED_FORMAT)
     state = dist_checkpointing.load(
@@ -404,28 +406,28 @@ def load(model: list, optimizer: object, info: ck.CheckpointInfo) -> Loaded:
         str(info.path),
     )
     if len(model) == 1:
-        _unwrap(model[0]).load_state_dict(state["model"])
+        unwrap(model[0]).load_state_dict(state["model"])
     else:
         for i, chunk in enumerate(model):
-            _unwrap(chunk).load_state_dict(state[f"model{i}"])
+            unwrap(chunk).load_state_dict(state[f"model{i}"])
     _skip_step_in_param_state(optimizer)
     optimizer.load_state_dict(state["optimizer"])
     _unshare_adam_steps(optimizer)
     return Loaded(step=info.step, consumed_samples=info.consumed_samples, path=info.path)
 
 
-def _inner_optimizers(optimizer: object) -> list:
+def inner_optimizers(optimizer: object) -> list:
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     return [opt.optimizer for opt in chained if getattr(opt, "optimizer", None) is not None]
 
 
-def _init_adam_state(optimizer: object) -> None:
+def init_adam_state(optimizer: object) -> None:
     """Create zero Adam state (moments and `step`) for a fresh optimizer.
 
     Building the loading state dict reads the current state, and without apex/TE the
     distributed optimizer requires a `step` in it; a fresh torch Adam has no state at all.
     """
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
                 st = inner.state[p]
@@ -462,7 +464,7 @@ def _unshare_adam_steps(optimizer: object) -> None:
     torch Adam increments it once per param per step, so bias correction would go wrong and
     the resumed losses would silently differ from an uninterrupted run.
     """
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for st in inner.state.values():
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].clone()

@@ -15,9 +15,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from contracts.restart import memory_tier_env
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,9 +109,11 @@ def launch(
     env: dict[str, str] | None = None,
     python: str = sys.executable,
     entry: tuple[str, ...] = ("-m", "megatron_runs.train"),
+    memory_tiers: Sequence[Sequence[int]] | None = None,
 ) -> LocalRun:
     """Start `nproc` ranks of `entry` (default: the training CLI) with `args`; logs go to
-    log_dir/rank<i>.log."""
+    log_dir/rank<i>.log. `memory_tiers`: per rank, the open descriptors of its in-memory
+    checkpoint slots, handed to it as a node task hands them (`contracts.restart`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs, logs = [], []
@@ -126,6 +130,9 @@ def launch(
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
         }
+        fds = tuple(memory_tiers[rank]) if memory_tiers else ()
+        if fds:
+            rank_env.update(memory_tier_env(fds))
         log = log_dir / f"rank{rank}.log"
         with log.open("w") as fh:
             procs.append(
@@ -136,6 +143,7 @@ def launch(
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     cwd=_ROOT,
+                    pass_fds=fds,
                 )
             )
         logs.append(log)

@@ -101,7 +101,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     target = t.train_steps if ctx.stop_at_step is None else min(t.train_steps, ctx.stop_at_step)
     checkpoints = Checkpointer(
         spec.checkpoint, tr.root, tr.layout, tr.resumed_from, tr.metrics, tr.faults, tr.log,
-        ctx.mtbf_seconds,
+        ctx.mtbf_seconds, tr.memory_tier,
     )  # fmt: skip
     trend = LossTrend(spec.recovery.loss_spike_window)
     for x in tr.loss_trend:

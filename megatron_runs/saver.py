@@ -8,6 +8,10 @@ rank's writer has finished publishes it. A second save, the end of training and 
 signal first wait for the save in flight and publish it, so the exit code's promise (a
 checkpoint at the step the job stopped) holds either way.
 
+With a memory tier (`memory_tier`), each save that started also copies the rank's state into
+it; the copy is committed by a later step's poll (GPU) or at once (CPU). A tier that fails is
+reported and dropped: disk stays the durable tier.
+
 A storage failure is reported and training goes on (the next interval retries). A failed
 collective is not caught: a peer died mid-save, and ranks that go on from wherever their save
 broke off meet in different collectives and hang (tests/train/test_save_failures.py), which
@@ -25,7 +29,7 @@ import torch
 
 from contracts.checkpoints import SaveTiming, write_save_timing, young_daly_steps
 from contracts.spec import CheckpointSpec
-from megatron_runs import async_save, dist_ckpt
+from megatron_runs import async_save, dist_ckpt, memory_tier
 from megatron_runs.faults import Faults
 from megatron_runs.metrics import TrainMetrics
 
@@ -44,6 +48,7 @@ class Checkpointer:
         faults: Faults,
         log: Callable[..., None],
         mtbf_seconds: float | None = None,
+        tier: memory_tier.MemoryTier | None = None,
     ) -> None:
         self.spec = spec
         self.mtbf_seconds = mtbf_seconds or spec.mtbf_hours * 3600
@@ -62,6 +67,7 @@ class Checkpointer:
         self.started = 0.0  # when the save in flight began
         self.step_seconds = 0.0  # the wall time of the step before the save in flight
         self.stall = 0.0  # how long the loop has waited for it so far
+        self.tier = tier
 
     def save(
         self,
@@ -86,12 +92,14 @@ class Checkpointer:
         try:
             if self.spec.async_save:
                 self.pending = self.writer.start(model, optimizer, target)
+                self._capture(model, optimizer, target)
                 self.stall = time.perf_counter() - t0
                 return
             path = self.writer.save(model, optimizer, target)
         except dist_ckpt.STORAGE_ERRORS as exc:
             self._failed(step, time.perf_counter() - t0, exc)
             return
+        self._capture(model, optimizer, target)
         duration = time.perf_counter() - t0
         self._published(step, path, duration, duration)
 
@@ -99,11 +107,34 @@ class Checkpointer:
         """Publish the save in flight if every rank's writer finished (collective, each step)."""
         if self.pending is not None:
             self._settle(self.pending.poll)
+        if self.tier is not None:
+            self._guard(self.tier.poll)
 
     def finish(self) -> None:
         """Wait for the save in flight and publish it (collective)."""
         if self.pending is not None:
             self._settle(self.pending.wait)
+        if self.tier is not None:
+            self._guard(self.tier.finish)
+
+    def _capture(self, model: list, optimizer: object, target: dist_ckpt.Target) -> None:
+        """Copy the state just saved into the memory tier (not collective)."""
+        tier = self.tier
+        if tier is None:
+            return
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        ident = memory_tier.identity(target.step, target.consumed_samples, target.loss, rank, world)
+        tensors = memory_tier.state_tensors(model, optimizer)
+        optimizers = dist_ckpt.inner_optimizers(optimizer)
+        self._guard(lambda: tier.capture(tensors, ident, optimizers))
+
+    def _guard(self, action: Callable[[], object]) -> None:
+        """Run a memory tier action; a failure drops the tier (the disk has every save)."""
+        try:
+            action()
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.tier = None
+            self.log("memory_tier_failed", error=repr(exc))
 
     def _settle(self, publish: Callable[[], Path | None]) -> None:
         pending = self.pending

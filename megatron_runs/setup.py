@@ -33,10 +33,11 @@ from contracts import checkpoints as ck  # noqa: E402
 from contracts.paths import nightwatch_home  # noqa: E402
 from contracts.spec import RunSpec  # noqa: E402
 from contracts.task import TrainContext  # noqa: E402
-from megatron_runs import blend, dist_ckpt  # noqa: E402
+from megatron_runs import blend, dist_ckpt, memory_tier  # noqa: E402
 from megatron_runs.data import Source, TokenStream  # noqa: E402
 from megatron_runs.data_prep import prepare  # noqa: E402
 from megatron_runs.faults import Faults  # noqa: E402
+from megatron_runs.memory_tier import MemoryTier  # noqa: E402
 from megatron_runs.metrics import TrainMetrics  # noqa: E402
 from megatron_runs.model import build_gpt, init_layout_independent, transformer_config  # noqa: E402
 from megatron_runs.optimizer import build_optimizer, fuse_adam  # noqa: E402
@@ -135,6 +136,8 @@ class Trainer:
     loss_trend: tuple[float, ...] = ()
     #: The resumed checkpoint's newest evaluation (step, validation loss), then the loop's.
     last_eval: tuple[int, float] | None = None
+    #: The rank's in-memory checkpoint tier, when its node task keeps one.
+    memory_tier: MemoryTier | None = None
 
 
 def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
@@ -171,8 +174,9 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     dp_size = ps.get_data_parallel_world_size()
     root = Path(ctx.checkpoint_dir)
     clock.mark("other")
+    tier = MemoryTier.from_env() if spec.checkpoint.in_memory else None
     step, cursor, resumed_from, loss_trend, last_eval = _resume(
-        model, optimizer, root, ctx, rank, log, clock
+        model, optimizer, root, ctx, rank, world, tier, log, clock
     )
     metrics = None
     if ctx.metrics_port is not None and local_rank == 0:
@@ -190,7 +194,7 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
         },
         root=root,
         step=step, cursor=cursor, resumed_from=resumed_from, metrics=metrics,
-        loss_trend=loss_trend, last_eval=last_eval,
+        loss_trend=loss_trend, last_eval=last_eval, memory_tier=tier,
     )  # fmt: skip
 
 
@@ -343,29 +347,43 @@ def _resume(
     root: Path,
     ctx: TrainContext,
     rank: int,
+    world: int,
+    tier: MemoryTier | None,
     log: Log,
     clock: SetupClock,
 ) -> tuple[int, int, int | None, tuple[float, ...], tuple[int, float] | None]:
     """Load the checkpoint to go on from: (step, sample cursor, the step resumed from, its
     loss trend, its last evaluation); from scratch (0, 0, None, (), None) when `root` holds
-    none. Rank 0 then unpins the older checkpoints."""
+    none. From the memory tier when every rank holds it there, else from disk. Rank 0 then
+    unpins the older checkpoints."""
     info = ck.choose(root, ctx.resume_step)
     if ctx.resume_step and (info is None or info.step != ctx.resume_step):
         log("resume_step_unavailable", asked=ctx.resume_step, using=info.step if info else 0)
     if info is None:
         return 0, 0, None, (), None
     t0 = time.perf_counter()
-    loaded = dist_ckpt.load(model, optimizer, info)
+    source = "disk"
+    if tier is not None:
+        dist_ckpt.init_adam_state(optimizer)
+        tensors = memory_tier.state_tensors(model, optimizer)
+        ident = memory_tier.identity(info.step, info.consumed_samples, info.loss, rank, world)
+        slot = tier.open(ident, tensors)
+        if dist_ckpt.all_ranks_ok(slot is not None):
+            assert slot is not None
+            tier.load(slot, tensors)
+            source = "memory"
+    if source == "disk":
+        dist_ckpt.load(model, optimizer, info)
     fuse_adam(optimizer)
-    step = loaded.step
-    log("checkpoint_loaded", step=step, path=str(info.path), seconds=time.perf_counter() - t0)
+    log("checkpoint_loaded", step=info.step, path=str(info.path), source=source,
+        seconds=time.perf_counter() - t0)  # fmt: skip
     clock.mark("checkpoint_load")
     if rank == 0:
         try:
-            ck.unpin_below(root, step)
+            ck.unpin_below(root, info.step)
         except OSError as exc:  # housekeeping: never worth a crash loop
             log("unpin_failed", error=repr(exc))
-    return step, loaded.consumed_samples, info.step, info.loss_trend, info.last_eval
+    return info.step, info.consumed_samples, info.step, info.loss_trend, info.last_eval
 
 
 def _serve_metrics(

@@ -194,6 +194,7 @@ def _restart_fields(plan: SubmitPlan) -> dict[str, Any]:
         "run_dir": str(plan.run_dir),
         "restart_wait_s": rc.restart_wait_seconds,
         "active_nodes": plan.spec.resources.nodes if spares else 0,
+        "memory_tier": plan.spec.checkpoint.in_memory,
     }
 
 

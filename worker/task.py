@@ -31,10 +31,12 @@ from typing import NoReturn
 
 from contracts import exitcodes
 from contracts.restart import (
+    MEMORY_TIER_SLOTS,
     RestartOrder,
     exit_code_path,
     failed_exit,
     job_control_dir,
+    memory_tier_env,
     read_exit_codes,
 )
 from contracts.spec import RunSpec
@@ -101,6 +103,9 @@ class TrainingTask:
     active_nodes: int = 0
     #: The nodes an order named for this attempt, in rank order (empty: as at the start).
     nodes: tuple[str, ...] = ()
+    #: The node task keeps an in-memory checkpoint tier for its ranks (restarts inside the
+    #: job only: `megatron_runs.memory_tier`).
+    memory_tier: bool = False
 
     def __call__(self) -> NoReturn:
         early = _EarlyStop()
@@ -141,6 +146,8 @@ class TrainingTask:
         does not use (a spare) waits for the order that uses it, or for the attempt's end.
         The node's outcome once no order came (or restarts inside the job are off)."""
         task = self
+        restarts = bool(self.run_dir and self.restart_wait_s)
+        tiers = _memory_tiers(self.ranks_per_task) if self.memory_tier and restarts else {}
         while True:
             watch = (
                 OrderWatch(job_control_dir(Path(task.run_dir), info.job_id), task.attempt)
@@ -157,7 +164,7 @@ class TrainingTask:
                 ranks = rank_infos(placed, task.ranks_per_task)
                 code = fork_ranks(
                     ranks,
-                    functools.partial(task._rank, early=early),
+                    functools.partial(task._rank, early=early, tiers=tiers),
                     _leave,
                     interrupt=watch.newer if watch else None,
                     on_ended=_record_unrecorded_exit if watch else None,
@@ -254,12 +261,16 @@ class TrainingTask:
     def _context(self, job_id: str) -> dict[str, object]:
         return {"run_id": self.run_id, "attempt": self.attempt, "job_id": job_id}
 
-    def _rank(self, info: TaskInfo, early: _EarlyStop) -> int:
+    def _rank(
+        self, info: TaskInfo, early: _EarlyStop, tiers: dict[int, tuple[int, ...]] | None = None
+    ) -> int:
         """Train as one rank; the exit code, recorded beside the job's logs."""
         code = 1
         if self.job_folder is not None:
             _log_to(Path(self.job_folder), info.job_id, info.global_rank // self.ranks_per_task)
         os.environ.update(dict(self.env))
+        if tiers:
+            os.environ.update(memory_tier_env(tiers[info.local_rank]))
         try:
             code = self._run(info, early)
         except SystemExit as exc:
@@ -344,6 +355,18 @@ def _preload(entry: str) -> None:
     preload = getattr(module, "preload", None)
     if preload is not None:
         preload()
+
+
+def _memory_tiers(ranks_per_node: int) -> dict[int, tuple[int, ...]]:
+    """Per local rank, the memfds of its in-memory checkpoint slots: created here, before the
+    ranks are forked (who inherit them), and held open by the node task so that what a rank
+    saved there outlives it; they are freed with the task, at the job's end."""
+    return {
+        local: tuple(
+            os.memfd_create(f"nw-memory-tier-{local}-{slot}") for slot in range(MEMORY_TIER_SLOTS)
+        )
+        for local in range(ranks_per_node)
+    }
 
 
 def _record_exit(info: TaskInfo, code: int) -> None:

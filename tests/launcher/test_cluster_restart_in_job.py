@@ -43,6 +43,11 @@ def _starts(folder: Path, job_id: str) -> list[int]:
     return [int(m) for m in re.findall(r"starts at step (\d+)", text)]
 
 
+def _held(folder: Path, job_id: str) -> list[tuple[int, str]]:
+    text = "".join(tail(p) for p in sorted((folder / job_id).glob(f"{job_id}_*_log.out")))
+    return [(int(r), held) for r, held in re.findall(r"rank (\d+) memory tier holds (.+)", text)]
+
+
 def test_crashed_ranks_restart_in_the_same_job_from_the_ordered_step(
     slurm, tmp_path, toy_spec, toy_plan
 ):
@@ -64,6 +69,11 @@ def test_crashed_ranks_restart_in_the_same_job_from_the_ordered_step(
     assert latest(plan.checkpoint_dir) == 16
     assert sorted(code for _, code in _exits(a2, job)) == [exitcodes.OK] * 4
     assert _starts(a2, job) == [resume] * 4
+    # each rank's memory tier slots outlived it, handed again to the rank in its place
+    assert sorted(_held(plan.log_dir, job)) == [(r, "nothing") for r in range(4)]
+    assert sorted((r, held.split(" step")[0]) for r, held in _held(a2, job)) == [
+        (r, f"rank {r}") for r in range(4)
+    ]
 
 
 def test_an_order_stops_running_ranks_and_rolls_back_inside_the_job(

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from contracts.restart import memory_tier_fds
 from contracts.task import TrainContext
 
 STEP_SECONDS = float(os.environ.get("TOY_STEP_SECONDS", "0.3"))
@@ -99,6 +100,12 @@ def train(spec, ctx: TrainContext) -> TrainResult:
     interval = spec.checkpoint.interval_steps
     step, code = start, 0
     print(f"toy: rank {rank}/{world} on {ctx.node} starts at step {start}", flush=True)
+    # The memory tier's contract, not its format: each rank records its place and step in
+    # its first slot, which the next attempt in the job must find there.
+    slots = memory_tier_fds(os.environ)
+    if slots:
+        held = os.pread(slots[0], 64, 0).rstrip(b"\0").decode() or "nothing"
+        print(f"toy: rank {rank} memory tier holds {held}", flush=True)
     if LINGER:
         threading.Thread(target=threading.Event().wait, name="linger").start()
     crash_at = [int(x) for x in CRASH_AT.split(":")] if CRASH_AT else []
@@ -115,6 +122,8 @@ def train(spec, ctx: TrainContext) -> TrainResult:
         step += 1
         value += t[0].item()
         step_gauge.labels(**labels).set(step)
+        if slots:
+            os.pwrite(slots[0], f"rank {rank} step {step}".encode().ljust(64, b"\0"), 0)
         stopping = t[1].item() > 0
         if rank == 0 and (step % interval == 0 or step == target or stopping):
             save(ckpt, step, value, world)

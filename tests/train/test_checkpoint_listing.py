@@ -86,6 +86,18 @@ def test_retention_keeps_last_complete_and_drops_stale(tmp_path: Path) -> None:
     assert ck.tmp_dir(tmp_path, 9) in removed
 
 
+def test_retention_on_a_thread_spares_the_next_saves_temp_dir(tmp_path: Path) -> None:
+    """The trainer's retention after publishing step 4 runs while the save of step 6 writes:
+    it removes temp dirs up to step 4 (a crashed attempt's), not the one being written."""
+    for step in (2, 4):
+        _fake_ckpt(tmp_path, step)
+    for step in (3, 4, 6):
+        ck.tmp_dir(tmp_path, step).mkdir()
+    removed = ck.retain(tmp_path, keep_last=2, stale_through=4)
+    assert set(removed) == {ck.tmp_dir(tmp_path, 3), ck.tmp_dir(tmp_path, 4)}
+    assert ck.tmp_dir(tmp_path, 6).is_dir()
+
+
 def test_retention_keeps_a_time_window_behind_the_newest(tmp_path: Path) -> None:
     """Saves 0.6 s apart: `keep_last` 3 alone prunes the last checkpoint before a loss spike
     by the time the spike is seen, and the rollback goes back to the checkpoint the attempt
