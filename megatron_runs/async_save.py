@@ -69,7 +69,8 @@ class HostBuffers:
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self._tensors: list[torch.Tensor] = []
-        self._registered: list[torch.Tensor] = []
+        self._registered: list[int] = []  # the page-locked chunks' addresses
+        self._region: torch.Tensor | None = None
 
     def reuse(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The buffers of an earlier save of the same layout, else None."""
@@ -91,40 +92,51 @@ class HostBuffers:
         """One page-locked buffer per tensor, in order, made the cheap way (class docstring);
         runs on a thread beside training."""
         self._free()
-        chunks: list[list[int]] = []  # tensor indices per chunk
-        sizes: list[int] = []
-        for i, t in enumerate(tensors):
-            need = aligned(t.numel() * t.element_size(), self.ALIGN)
-            if not chunks or sizes[-1] + need > self.CHUNK_BYTES:
-                chunks.append([])
-                sizes.append(0)
-            chunks[-1].append(i)
-            sizes[-1] += need
-        views: list[torch.Tensor | None] = [None] * len(tensors)
+        offsets, chunks = chunked([t.numel() * t.element_size() for t in tensors])
+        size = chunks[-1][0] + chunks[-1][1] if chunks else 0
+        # Shared, not private: a private page that is page-locked is copied when the rank
+        # forks its writer (17 GiB: 5-8 s in the poll that forks), a shared one is not.
+        region = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        flat = torch.frombuffer(region, dtype=torch.uint8)
+        flat[:: mmap.PAGESIZE].zero_()  # fault every page in: no CUDA lock held
+        self._region = flat
         cudart = torch.cuda.cudart()
-        for members, size in zip(chunks, sizes, strict=True):
-            # Shared, not private: a private page that is page-locked is copied when the rank
-            # forks its writer (17 GiB: 5-8 s in the poll that forks), a shared one is not.
-            region = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-            flat = torch.frombuffer(region, dtype=torch.uint8)
-            flat[:: mmap.PAGESIZE].zero_()  # fault every page in: no CUDA lock held
-            code = cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
+        for start, n in chunks:
+            code = cudart.cudaHostRegister(flat.data_ptr() + start, n, 0)
             if int(code) != 0:
-                raise RuntimeError(f"cudaHostRegister of {flat.numel()} bytes failed: {code}")
-            self._registered.append(flat)
-            offset = 0
-            for i in members:
-                views[i] = _tensor_at(flat.data_ptr() + offset, tensors[i])
-                offset += aligned(tensors[i].numel() * tensors[i].element_size(), self.ALIGN)
-        self._tensors = [v for v in views if v is not None]
+                raise RuntimeError(f"cudaHostRegister of {n} bytes failed: {code}")
+            self._registered.append(flat.data_ptr() + start)
+        base = flat.data_ptr()
+        self._tensors = [_tensor_at(base + at, t) for at, t in zip(offsets, tensors, strict=True)]
         return self._tensors
 
     def _free(self) -> None:
         self._tensors = []
         cudart = torch.cuda.cudart() if self._registered else None
-        for flat in self._registered:
-            cudart.cudaHostUnregister(flat.data_ptr())
+        for address in self._registered:
+            cudart.cudaHostUnregister(address)
         self._registered = []
+        self._region = None
+
+
+def chunked(sizes: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Where tensors of these byte sizes lie in one host region (each at a multiple of
+    `HostBuffers.ALIGN`), and the chunks that are page-locked one call each: page-aligned, at
+    most `HostBuffers.CHUNK_BYTES` unless one tensor is larger, and no tensor crosses one, so
+    every copy reads or writes one registered range."""
+    offsets: list[int] = []
+    chunks: list[tuple[int, int]] = []
+    start = used = 0
+    for n in sizes:
+        need = aligned(n, HostBuffers.ALIGN)
+        if used and used + need > HostBuffers.CHUNK_BYTES:
+            chunks.append((start, used))
+            start, used = aligned(start + used, mmap.PAGESIZE), 0
+        offsets.append(start + used)
+        used += need
+    if used:
+        chunks.append((start, used))
+    return offsets, chunks
 
 
 def _tensor_at(address: int, like: torch.Tensor) -> torch.Tensor:

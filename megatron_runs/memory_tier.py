@@ -86,20 +86,11 @@ class Layout:
 
 
 def layout(tensors: Named) -> Layout:
-    align, chunk = async_save.HostBuffers.ALIGN, async_save.HostBuffers.CHUNK_BYTES
-    table: list[list] = []
-    chunks: list[tuple[int, int]] = []
-    start = used = 0
-    for name, tensor in tensors:
-        n = tensor.numel() * tensor.element_size()
-        need = async_save.aligned(n, align)
-        if used and used + need > chunk:
-            chunks.append((start, used))
-            start, used = async_save.aligned(start + used, mmap.PAGESIZE), 0
-        table.append([name, list(tensor.shape), str(tensor.dtype), start + used, n])
-        used += need
-    if used:
-        chunks.append((start, used))
+    offsets, chunks = async_save.chunked([t.numel() * t.element_size() for _, t in tensors])
+    table = [
+        [name, list(t.shape), str(t.dtype), offset, t.numel() * t.element_size()]
+        for offset, (name, t) in zip(offsets, tensors, strict=True)
+    ]
     return Layout(table, chunks)
 
 

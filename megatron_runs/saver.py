@@ -68,6 +68,7 @@ class Checkpointer:
         self.step_seconds = 0.0  # the wall time of the step before the save in flight
         self.stall = 0.0  # how long the loop has waited for it so far
         self.tier = tier
+        self.captured_step: int | None = None  # the newest save copied into the tier
 
     def save(
         self,
@@ -126,15 +127,17 @@ class Checkpointer:
         ident = memory_tier.identity(target.step, target.consumed_samples, target.loss, rank, world)
         tensors = memory_tier.state_tensors(model, optimizer)
         optimizers = dist_ckpt.inner_optimizers(optimizer)
-        self._guard(lambda: tier.capture(tensors, ident, optimizers))
+        if self._guard(lambda: tier.capture(tensors, ident, optimizers)):
+            self.captured_step = target.step
 
-    def _guard(self, action: Callable[[], object]) -> None:
+    def _guard(self, action: Callable[[], object]) -> object:
         """Run a memory tier action; a failure drops the tier (the disk has every save)."""
         try:
-            action()
+            return action()
         except (OSError, RuntimeError, ValueError) as exc:
             self.tier = None
             self.log("memory_tier_failed", error=repr(exc))
+            return None
 
     def _settle(self, publish: Callable[[], Path | None]) -> None:
         pending = self.pending
@@ -165,6 +168,7 @@ class Checkpointer:
         self.log(
             "checkpoint_saved", step=step, path=str(path), seconds=round(duration, 3),
             stall_seconds=round(stall, 3), async_save=self.spec.async_save,
+            in_memory=self.captured_step == step,
         )  # fmt: skip
         if torch.distributed.get_rank() == 0:
             if self.spec.interval_auto:

@@ -42,6 +42,8 @@ def test_a_restart_loads_from_memory_and_trains_on_exactly(run_train, tmp_path, 
     spec = spec_dict("memory_tier", tp=1, pp=2, dp=2, steps=6, interval=3, layers=2)
     full = run_train(spec, tmp_path / "ck", memory_tiers=tiers)
     assert full.wait(240) == [0] * RANKS
+    saved = [e["in_memory"] for e in full.events(0) if e["event"] == "checkpoint_saved"]
+    assert saved == [True, True]  # on CPU every save is copied at once
     resumed = run_train(spec, tmp_path / "ck", ["--resume-step", "3"], memory_tiers=tiers)
     assert resumed.wait(240) == [0] * RANKS
     assert _loaded(resumed) == ["memory"]
