@@ -285,9 +285,12 @@ def retain(
     The time window is what a rollback needs: the newest checkpoint from before a fault the
     watchdog saw seconds later. With fast steps `keep_last` alone rotates it out first (10-step
     saves at 0.06 s a step keep 1.8 s of history with `keep_last` 3). Incomplete directories
-    older than the newest complete one and stale temp dirs go too: every temp dir, or with
-    `stale_through` those of that step and earlier, so that retention on a thread spares the
-    temp dir of the next save, already being written (a process saves at rising steps).
+    older than the newest complete one and stale temp dirs go too.
+
+    `stale_through`: the step of the save this retention follows, for retention on a thread
+    beside the next save (a process saves at rising steps). Nothing above that step is
+    touched: neither the next save's temp dir, nor the checkpoint it may publish meanwhile
+    (or replace, after a rollback) between this function's two listings.
     """
     root = Path(root)
     complete = list_checkpoints(root)
@@ -300,13 +303,15 @@ def retain(
     for info in list_checkpoints(root, include_incomplete=True):
         if info.step in keep or (not info.complete and info.step > newest):
             continue
+        if stale_through is not None and info.step > stale_through:
+            continue
         if _pin_path(root, info.step).exists():  # looked up last: a pin may have just landed
             continue
         shutil.rmtree(info.path, ignore_errors=True)
         removed.append(info.path)
     for stale in root.glob(f"{_TMP_PREFIX}*"):
         step = _step_of(stale.name[len(_TMP_PREFIX) - len(_PREFIX) :])
-        if stale_through is not None and (step is None or step > stale_through):
+        if stale_through is not None and step is not None and step > stale_through:
             continue
         shutil.rmtree(stale, ignore_errors=True)
         removed.append(stale)

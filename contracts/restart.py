@@ -118,7 +118,7 @@ def failed_exit(codes: Sequence[tuple[int, int]]) -> int | None:
 
 
 #: The environment variable that hands a rank the in-memory checkpoint tier its node task
-#: keeps for it: the descriptors of its slots, comma-separated (`megatron_runs.ram_tier`).
+#: keeps for it: the descriptors of its slots, comma-separated (`megatron_runs.memory_tier`).
 MEMORY_TIER_ENV = "NIGHTWATCH_MEMORY_TIER_FDS"
 #: Slots per rank: the newest capture, and the one before it while the next is written.
 MEMORY_TIER_SLOTS = 2

@@ -22,6 +22,7 @@ captured. Host memory: the slots hold twice the rank's state.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import mmap
@@ -30,6 +31,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,7 +52,9 @@ def state_tensors(model: list, optimizer: object) -> list[tuple[str, torch.Tenso
     """What a checkpoint restores on this rank, as the rank holds it, in a fixed order: every
     model chunk's parameters and buffers, then each inner optimizer's parameters (the main
     parameters of a distributed optimizer) each followed by its state. A tensor met twice
-    (an optimizer that updates the model's own parameters) is listed once."""
+    (an optimizer that updates the model's own parameters) is listed once. The rest of an
+    optimizer's param groups (learning rate, betas, ...) is the spec's, set anew by the loop.
+    """
     seen: set[int] = set()
     named: list[tuple[str, torch.Tensor]] = []
 
@@ -63,6 +67,10 @@ def state_tensors(model: list, optimizer: object) -> list[tuple[str, torch.Tenso
         for key, value in dist_ckpt.unwrap(chunk).state_dict(keep_vars=True).items():
             add(f"model{i}.{key}", value)
     for j, inner in enumerate(dist_ckpt.inner_optimizers(optimizer)):
+        if not isinstance(inner, torch.optim.Adam) and any("step" in g for g in inner.param_groups):
+            # apex's and TE's fused Adam count steps there, which a slot does not hold (torch's
+            # Adam counts them per parameter; megatron only carries them through its groups)
+            raise ValueError(f"{type(inner).__name__} keeps its step in its param groups")
         for g, group in enumerate(inner.param_groups):
             for k, param in enumerate(group["params"]):
                 add(f"optimizer{j}.{g}.{k}", param)
@@ -130,8 +138,9 @@ class Slot:
             size = self._data_at + lay.nbytes
             if os.fstat(self.fd).st_size != size:
                 self.invalidate()
+                _check_room(size)
                 os.ftruncate(self.fd, size)
-            os.posix_fallocate(self.fd, 0, size)  # the memory now, or ENOSPC now
+                os.posix_fallocate(self.fd, 0, size)
             self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
             self._flat = torch.frombuffer(self._map, dtype=torch.uint8)
             self._layout = lay
@@ -140,10 +149,14 @@ class Slot:
         if pin and not self._pinned:
             cudart = torch.cuda.cudart()
             base = self._flat.data_ptr() + self._data_at
+            done: list[int] = []
             for offset, n in lay.chunks:
                 code = cudart.cudaHostRegister(base + offset, n, 0)
                 if int(code) != 0:
+                    for address in done:
+                        cudart.cudaHostUnregister(address)
                     raise RuntimeError(f"cudaHostRegister of {n} bytes failed: {code}")
+                done.append(base + offset)
             self._pinned = True
 
     def views(self) -> list[torch.Tensor]:
@@ -171,6 +184,44 @@ class Slot:
         os.pwrite(self.fd, _COMMIT.pack(self._data_at, len(body)), 0)
 
 
+#: Host memory a rank leaves free beside its slots, as a share of what is available.
+ROOM_MARGIN = 0.25
+
+
+def _check_room(nbytes: int) -> None:
+    """Refuse a slot the host cannot hold with room to spare: a memfd lives on the kernel's
+    unbounded shm mount, so an allocation past the memory left does not fail, it wakes the
+    OOM killer (of the job's memory cgroup, under SLURM), which kills a rank. Every rank of
+    the node makes its slots at about the same time: each may take its share of what is
+    left."""
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    left = min(_mem_available(), _cgroup_headroom())
+    if nbytes * ranks > left * (1 - ROOM_MARGIN):
+        raise OSError(errno.ENOMEM, f"no room for a {nbytes} byte memory tier slot")
+
+
+def _mem_available() -> float:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return float("inf")
+
+
+def _cgroup_headroom() -> float:
+    """memory.max − memory.current of this process's cgroup (v2); infinite without a limit."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            path = next(line.split(":", 2)[2].strip() for line in fh if line.startswith("0::"))
+        folder = Path("/sys/fs/cgroup") / path.lstrip("/")
+        limit = (folder / "memory.max").read_text().strip()
+        if limit == "max":
+            return float("inf")
+        return int(limit) - int((folder / "memory.current").read_text())
+    except (OSError, StopIteration, ValueError):
+        return float("inf")
+
+
 def identity(step: int, consumed_samples: int, loss: float | None, rank: int, world: int) -> dict:
     """What names a checkpoint and the rank's place in it; the loss as the checkpoint's
     metadata records it (NaN: none)."""
@@ -195,7 +246,7 @@ class MemoryTier:
         self._keep = max(held)[1] if held else None
         self._sequence = max(held)[0] + 1 if held else 0
         self._stream: torch.cuda.Stream | None = None
-        self._inflight: tuple[int, dict, object, list] | None = None
+        self._inflight: tuple[int, dict, object, list, Named] | None = None
         self._pinning: threading.Thread | None = None
         self._pinned_for: Layout | None = None
         self._error: BaseException | None = None
@@ -214,20 +265,25 @@ class MemoryTier:
 
     def open(self, ident: dict, tensors: Named) -> int | None:
         """The slot holding the checkpoint `ident` names, for exactly these tensors, mapped
-        (and on GPU page-locked) for `load`; None if no slot holds it or it cannot be mapped."""
+        (and on GPU page-locked) for `load`; None if no slot holds it or it cannot be mapped.
+        Either way a slot that holds it is kept from the next capture."""
         lay = layout(tensors)
         table = json.loads(json.dumps(lay.table))
-        for i, slot in enumerate(self.slots):
-            header = slot.header()
-            if header is None or header["identity"] != ident or header["table"] != table:
-                continue
-            try:
-                slot.prepare(lay, pin=self.cuda)
-            except (OSError, RuntimeError) as exc:
-                logger.warning("memory tier slot %d cannot be mapped: %r", i, exc)
-                return None
-            return i
-        return None
+        held = [
+            (header["sequence"], i)
+            for i, header in enumerate(slot.header() for slot in self.slots)
+            if header is not None and header["identity"] == ident and header["table"] == table
+        ]
+        if not held:
+            return None
+        index = max(held)[1]
+        self._keep = index
+        try:
+            self.slots[index].prepare(lay, pin=self.cuda)
+        except (OSError, RuntimeError) as exc:
+            logger.warning("memory tier slot %d cannot be mapped: %r", index, exc)
+            return None
+        return index
 
     @torch.no_grad()
     def load(self, index: int, tensors: Named) -> None:
@@ -244,6 +300,7 @@ class MemoryTier:
         """Start copying the rank's state into the slot not kept; False when the slots are
         not ready yet (GPU: being page-locked)."""
         self.finish()
+        self._forget(ident)
         lay = layout(tensors)
         if self.cuda and not self._pinned(lay):
             return False
@@ -267,7 +324,7 @@ class MemoryTier:
                 view.copy_(tensor, non_blocking=True)
             copied.record()
         hooks = async_save.wait_before_updates(optimizers, copied)
-        self._inflight = (index, ident, copied, hooks)
+        self._inflight = (index, ident, copied, hooks, tensors)  # the sources live till copied
         return True
 
     def poll(self) -> None:
@@ -280,6 +337,23 @@ class MemoryTier:
         if self._inflight is not None:
             self._inflight[2].synchronize()
             self._commit(*self._inflight[:2])
+
+    def drop(self) -> None:
+        """Empty every slot (best effort): a tier that stops capturing must not keep an older
+        capture of a step that a later save wrote to disk anew."""
+        for slot in self.slots:
+            try:
+                slot.invalidate()
+            except OSError:
+                continue
+
+    def _forget(self, ident: dict) -> None:
+        """Empty the slots holding an earlier capture of the checkpoint about to be saved (a
+        rollback saves a step again, not necessarily with the same bytes)."""
+        for slot in self.slots:
+            header = slot.header()
+            if header is not None and header["identity"] == ident:
+                slot.invalidate()
 
     def _commit(self, index: int, ident: dict) -> None:
         if self._inflight is not None:

@@ -125,9 +125,12 @@ class Checkpointer:
             return
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         ident = memory_tier.identity(target.step, target.consumed_samples, target.loss, rank, world)
-        tensors = memory_tier.state_tensors(model, optimizer)
-        optimizers = dist_ckpt.inner_optimizers(optimizer)
-        if self._guard(lambda: tier.capture(tensors, ident, optimizers)):
+
+        def capture() -> bool:
+            tensors = memory_tier.state_tensors(model, optimizer)
+            return tier.capture(tensors, ident, dist_ckpt.inner_optimizers(optimizer))
+
+        if self._guard(capture):
             self.captured_step = target.step
 
     def _guard(self, action: Callable[[], object]) -> object:
@@ -135,7 +138,9 @@ class Checkpointer:
         try:
             return action()
         except (OSError, RuntimeError, ValueError) as exc:
-            self.tier = None
+            tier, self.tier = self.tier, None
+            if tier is not None:
+                tier.drop()
             self.log("memory_tier_failed", error=repr(exc))
             return None
 

@@ -176,7 +176,7 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     clock.mark("other")
     tier = MemoryTier.from_env() if spec.checkpoint.in_memory else None
     step, cursor, resumed_from, loss_trend, last_eval = _resume(
-        model, optimizer, root, ctx, rank, world, tier, log, clock
+        model, optimizer, root, ctx, rank, world, spec.checkpoint.in_memory, tier, log, clock
     )
     metrics = None
     if ctx.metrics_port is not None and local_rank == 0:
@@ -348,6 +348,7 @@ def _resume(
     ctx: TrainContext,
     rank: int,
     world: int,
+    in_memory: bool,
     tier: MemoryTier | None,
     log: Log,
     clock: SetupClock,
@@ -363,14 +364,11 @@ def _resume(
         return 0, 0, None, (), None
     t0 = time.perf_counter()
     source = "disk"
-    if tier is not None:
-        dist_ckpt.init_adam_state(optimizer)
-        tensors = memory_tier.state_tensors(model, optimizer)
-        ident = memory_tier.identity(info.step, info.consumed_samples, info.loss, rank, world)
-        slot = tier.open(ident, tensors)
-        if dist_ckpt.all_ranks_ok(slot is not None):
-            assert slot is not None
-            tier.load(slot, tensors)
+    if in_memory:  # the same on every rank: all of them take part in the agreement
+        found = _memory_slot(model, optimizer, info, rank, world, tier, log)
+        if dist_ckpt.all_ranks_ok(found is not None):
+            assert tier is not None and found is not None
+            tier.load(*found)
             source = "memory"
     if source == "disk":
         dist_ckpt.load(model, optimizer, info)
@@ -384,6 +382,30 @@ def _resume(
         except OSError as exc:  # housekeeping: never worth a crash loop
             log("unpin_failed", error=repr(exc))
     return info.step, info.consumed_samples, info.step, info.loss_trend, info.last_eval
+
+
+def _memory_slot(
+    model: list,
+    optimizer: object,
+    info: ck.CheckpointInfo,
+    rank: int,
+    world: int,
+    tier: MemoryTier | None,
+    log: Log,
+) -> tuple[int, memory_tier.Named] | None:
+    """This rank's memory tier slot holding `info`, with the tensors to load it into; None
+    when it has none. Never raises: every rank must reach the agreement that follows."""
+    if tier is None:
+        return None
+    try:
+        dist_ckpt.init_adam_state(optimizer)
+        tensors = memory_tier.state_tensors(model, optimizer)
+        ident = memory_tier.identity(info.step, info.consumed_samples, info.loss, rank, world)
+        slot = tier.open(ident, tensors)
+    except Exception as exc:  # any failure only sends this resume to disk
+        log("memory_tier_failed", all_ranks=True, error=repr(exc))
+        return None
+    return None if slot is None else (slot, tensors)
 
 
 def _serve_metrics(

@@ -98,6 +98,21 @@ def test_retention_on_a_thread_spares_the_next_saves_temp_dir(tmp_path: Path) ->
     assert ck.tmp_dir(tmp_path, 6).is_dir()
 
 
+def test_retention_on_a_thread_spares_what_the_next_save_replaces(tmp_path: Path) -> None:
+    """After a rollback to 20, the attempt publishes 20 and its retention runs while the save
+    of 30 replaces the older attempt's 30 (removed, then renamed into place): half removed,
+    30 reads as incomplete and older than the newest (40), which retention would delete too,
+    racing the publish. With `stale_through` it leaves everything above 20 alone."""
+    for step in (10, 20, 30, 40):
+        _fake_ckpt(tmp_path, step)
+    (ck.step_dir(tmp_path, 30) / ck.META_NAME).unlink()
+    ck.retain(tmp_path, keep_last=1, stale_through=20)
+    assert ck.step_dir(tmp_path, 30).is_dir()
+    assert not ck.step_dir(tmp_path, 10).exists() and not ck.step_dir(tmp_path, 20).exists()
+    ck.retain(tmp_path, keep_last=1)
+    assert not ck.step_dir(tmp_path, 30).exists()
+
+
 def test_retention_keeps_a_time_window_behind_the_newest(tmp_path: Path) -> None:
     """Saves 0.6 s apart: `keep_last` 3 alone prunes the last checkpoint before a loss spike
     by the time the spike is seen, and the rollback goes back to the checkpoint the attempt

@@ -4,6 +4,7 @@ what a fresh tier (a restarted rank) finds and loads, which slot the next captur
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -111,3 +112,38 @@ def test_the_slot_a_rank_resumed_from_is_kept_while_it_saves_on(fds) -> None:
 
 def test_a_nan_loss_is_named_as_the_checkpoint_records_it() -> None:
     assert memory_tier.identity(5, 40, float("nan"), 0, 1)["loss"] is None
+
+
+def test_a_step_saved_again_replaces_its_older_capture(fds) -> None:
+    """A rollback saves step 10 again, not necessarily with the same bytes: the older
+    capture of 10 is emptied first, so only the new one can be loaded."""
+    first = MemoryTier(fds)
+    first.capture(_state(1), _ident(10), optimizers=[])
+    first.capture(_state(2), _ident(20), optimizers=[])
+    again = MemoryTier(fds)
+    again.capture(_state(3), _ident(10), optimizers=[])
+    got = _loaded(fds, 10, _state(3))
+    assert got is not None and torch.equal(got[0], _state(3)[0][1])
+    assert _loaded(fds, 20, _state(2)) is not None
+
+
+def test_a_dropped_tier_holds_nothing(fds) -> None:
+    tier = MemoryTier(fds)
+    tier.capture(_state(1), _ident(10), optimizers=[])
+    tier.drop()
+    assert _loaded(fds, 10, _state(1)) is None
+
+
+def test_a_slot_the_host_cannot_hold_is_refused(fds, monkeypatch) -> None:
+    monkeypatch.setattr(memory_tier, "_mem_available", lambda: 100.0)
+    with pytest.raises(OSError, match="no room"):
+        MemoryTier(fds).capture(_state(1), _ident(10), optimizers=[])
+
+
+def test_an_optimizer_counting_steps_in_its_param_groups_is_refused() -> None:
+    """apex's and TE's fused Adam keep `step` in the param group, which no slot holds."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    inner = torch.optim.SGD([param], lr=0.1)
+    inner.param_groups[0]["step"] = 3
+    with pytest.raises(ValueError, match="param groups"):
+        memory_tier.state_tensors([torch.nn.Linear(1, 1)], types.SimpleNamespace(optimizer=inner))
