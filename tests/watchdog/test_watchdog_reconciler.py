@@ -837,3 +837,36 @@ def _wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "the loop did not wake"
         time.sleep(0.02)
+
+
+def test_the_loop_ticks_when_a_hang_verdict_becomes_possible(db: Database, tmp_path: Path) -> None:
+    """A run whose last step was 58 s ago under a 60 s hang limit: the loop's next tick comes
+    when a scrape can show the limit passed (`hang_due`: about 3 s away), not at the tick
+    that is due in 60 s; after it, with no verdict to wait for, the loop waits again."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec = make(db, tmp_path, cluster, source, tick_seconds=60.0)
+    run_id = new_run(db)
+    rec.tick()
+    cluster.set(cluster.submitted[-1][0], JobState.RUNNING)
+    last = time.time() - 58.0
+    source.samples[(run_id, 1)] = [
+        MetricSample(t=last - 20 + s, step=s, loss=3.0, samples_consumed=8 * s,
+                     nonfinite_total=0, last_step_ts=last - 20 + s)
+        for s in range(1, 21)
+    ]  # fmt: skip
+    ticks: list[float] = []
+    tick = rec.tick
+
+    def counted() -> object:
+        ticks.append(time.time())
+        return tick()
+
+    rec.tick = counted  # type: ignore[method-assign]
+    rec.start()
+    try:
+        _wait_for(lambda: len(ticks) == 2)
+        assert ticks[1] >= last + 60 + 1.0  # the limit, and one scrape (1 s apart here)
+        time.sleep(1.0)
+        assert len(ticks) == 2
+    finally:
+        rec.stop()
