@@ -3,11 +3,12 @@
 Real parts: a local SLURM cluster (scripts/devcluster, one slurmd per node, nodes frozen to
 die), Prometheus discovering workers through the supervisor, a PostgreSQL-backed supervisor
 (API + reconciler, SIGKILLed on schedule), and CPU Megatron-Core GPT training (TP 1 × PP 2 ×
-DP 2 over 2 nodes). In order: Nightwatch under the schedule, the exact reference (the
-baseline's script without faults, planned from Nightwatch's history so that it sees the same
-samples and applies the same updates: `benchmarks/soak/reference.py`), the baseline under the
-same schedule. Prints the seed and the schedule first and the side-by-side table last; writes
-everything to `<out>/result.json`.
+DP 2 over 2 nodes, and a spare node in Nightwatch's job that a node fault moves to). In order:
+Nightwatch under the schedule, the exact reference (the baseline's script without faults,
+planned from Nightwatch's history so that it sees the same samples and applies the same
+updates: `benchmarks/soak/reference.py`), the baseline under the same schedule. Prints the
+seed and the schedule first and the side-by-side table last; writes everything to
+`<out>/result.json`.
 
     .venv/bin/python benchmarks/chaos_soak.py --seed 7 --minutes 20       # the full soak
     .venv/bin/python benchmarks/chaos_soak.py --short                     # ≈ 5 min, make test
@@ -62,6 +63,9 @@ from benchmarks.soak.services import (
 from supervisor.auth import Scope
 
 JOB_NODES, PER_NODE = 2, 2
+#: Idle nodes the job holds (`resources.spare_nodes`): a node fault moves to one inside the
+#: running job; once it is used up, the next node fault resubmits.
+SPARE_NODES = 1
 HANG_FLOOR_S = 5.0
 ROLLBACK_SKIP_STEPS = 8
 
@@ -91,8 +95,16 @@ def mode_from_args(args: argparse.Namespace) -> Mode:
     return Mode(kinds, steps, args.checkpoint_interval, systems, args.distributed_optimizer)
 
 
+def cluster_size(mode: Mode) -> int:
+    """Nodes of the dev cluster (pure): the job's and its spares, one for each node fault
+    (each takes a node for good), and one for a node SLURM still completes when a
+    resubmission is placed."""
+    node_faults = sum(1 for k in mode.kinds if k in NODE_FAULTS)
+    return JOB_NODES + SPARE_NODES + node_faults + 1
+
+
 def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> dict[str, Any]:
-    """The run: a small GPT on CPU, TP 1 × PP 2 × DP 2 over 2 nodes (pure)."""
+    """The run: a small GPT on CPU, TP 1 × PP 2 × DP 2 over 2 nodes and a spare (pure)."""
     node_faults = sum(1 for f in schedule.faults if f.kind in NODE_FAULTS) if schedule else 0
     return {
         "name": "chaos-soak",
@@ -113,6 +125,7 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
         "resources": {
             "device": "cpu",
             "nodes": JOB_NODES,
+            "spare_nodes": SPARE_NODES,
             "gpus_per_node": PER_NODE,
             "cpus_per_task": 1,
             # Longer than any soak: a clean run must not end at a walltime (the supervisor's
@@ -397,8 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / f"{stamp}-seed{seed}"
     out.mkdir(parents=True, exist_ok=True)
     say = log_to(out / "soak.log")
-    node_faults = sum(1 for k in mode.kinds if k in NODE_FAULTS)
-    nodes = JOB_NODES + node_faults + 1
+    nodes = cluster_size(mode)
     cluster = Cluster(out / "cluster", nodes, args.base_port)
     shape = SoakShape(
         mode.train_steps, mode.checkpoint_interval, 8, JOB_NODES * PER_NODE,

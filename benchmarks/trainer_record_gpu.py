@@ -69,8 +69,10 @@ def spec(gpus: int) -> dict:
 def expected() -> list[tuple[int, str, tuple[tuple[int, int], ...]]]:
     return [
         (12, anomalies.NONFINITE, (NAN,)),
+        (13, anomalies.CLEAN, ()),  # the first good step after each episode
         (21, anomalies.SPIKE, ((SPIKE[0], 21 * GBS),)),
         (22, anomalies.SPIKE, ((21 * GBS, SPIKE[1]),)),
+        (23, anomalies.CLEAN, ()),
     ]
 
 

@@ -4,9 +4,10 @@ Every rank knows, after the step's one all-reduce, each sample's loss and which 
 non-finite gradients, so the trainer dates a fault exactly, whatever the scrape interval. Global
 rank 0 appends one JSON line per bad step to `<checkpoint dir>/.health/anomalies.jsonl` (one
 `write` each, before the step's metrics move, so a scrape that counts a bad step finds its line
-here), and one `stop` line when it stops on its skipped-update budget. The supervisor reads the
-file (torch-free) to judge onsets, skip exactly the bad samples, record contained faults and
-learn why a job ended even if no scrape saw the step.
+here), one `clean` line at the first good step after bad ones (the episode is over, known before
+a scrape shows a later step), and one `stop` line when it stops on its skipped-update budget.
+The supervisor reads the file (torch-free) to judge onsets, skip exactly the bad samples,
+record contained faults and learn why a job ended even if no scrape saw the step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ LEDGER_NAME = "anomalies.jsonl"
 #: Kinds of a bad step.
 NONFINITE = "nonfinite"  # NaN/Inf loss or gradients: the optimizer skipped the update
 SPIKE = "spike"  # the step's loss far above its recent trend: the update was applied
+#: The line written at the first good step after bad ones (its step): the bad steps before it
+#: are over, so the watchdog judges their episode without waiting for a scrape of a later step.
+CLEAN = "clean"
 #: The line written when the trainer stops on its budget of skipped updates.
 STOP = "skip_budget"
 

@@ -11,6 +11,7 @@ went non-finite, so every rank reaches the same verdict; global rank 0 writes it
   step instead of to what scrapes saw); the bad samples are those whose own loss is above the
   same threshold (every sample of the step when none is alone).
 Only good steps feed the trend, and none is judged a spike before MIN_TREND_STEPS of them.
+The first good step after bad ones is recorded too (`clean_record`): the episode is over.
 The skipped-update budget (`SkipBudget`) stops a run whose trainer keeps containing faults.
 """
 
@@ -22,7 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from contracts.anomalies import NONFINITE, SPIKE, Anomaly, ranges_of
+from contracts.anomalies import CLEAN, NONFINITE, SPIKE, Anomaly, ranges_of
 from contracts.spec import RecoverySpec
 
 #: Good steps the trend needs before a spike can be judged against it.
@@ -96,6 +97,18 @@ def judge(
         )
     trend.add(out.loss)
     return None
+
+
+def clean_record(out: StepOutcome, attempt: int, now: float) -> Anomaly:
+    """The `clean` line of a good step that follows bad ones: their episode is over."""
+    return Anomaly(
+        attempt=attempt,
+        step=out.step,
+        kind=CLEAN,
+        consumed=(min(out.indices, default=0), max(out.indices, default=-1) + 1),
+        loss=out.loss,
+        t=now,
+    )
 
 
 class SkipBudget:

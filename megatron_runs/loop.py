@@ -25,7 +25,13 @@ from contracts import anomalies, exitcodes  # noqa: E402
 from contracts.spec import RunSpec  # noqa: E402
 from contracts.task import TrainContext  # noqa: E402
 from megatron_runs import replicas  # noqa: E402
-from megatron_runs.anomaly import LossTrend, SkipBudget, StepOutcome, judge  # noqa: E402
+from megatron_runs.anomaly import (  # noqa: E402
+    LossTrend,
+    SkipBudget,
+    StepOutcome,
+    clean_record,
+    judge,
+)
 from megatron_runs.data import MicroBatch, build_microbatches, to_device  # noqa: E402
 from megatron_runs.metrics import StepReport  # noqa: E402
 from megatron_runs.sampling import rank_slice, take_step  # noqa: E402
@@ -116,12 +122,13 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         setup_seconds=clock.seconds,
     )  # fmt: skip
 
+    bad: anomalies.Anomaly | None = None
     while tr.step < target:
         done = _train_step(spec, ctx, tr, plan, stop, checkpoints.proposed)
         checkpoints.proposed = 0  # carried to every rank by this step's all-reduce
         tr.step, tr.cursor = done.step, done.cursor
         losses.append(done.loss)
-        bad = _judge(spec, ctx, tr, done, trend)
+        bad = _judge(spec, ctx, tr, done, trend, after_bad=bad is not None)
         _report(spec, tr, plan, done, bad is not None)
         if bad is not None and bad.update_skipped and budget.add(done.step):
             _stop_on_budget(ctx, tr, budget, bad)
@@ -296,10 +303,11 @@ def _run_schedule(
 
 
 def _judge(
-    spec: RunSpec, ctx: TrainContext, tr: Trainer, done: _Step, trend: LossTrend
+    spec: RunSpec, ctx: TrainContext, tr: Trainer, done: _Step, trend: LossTrend, after_bad: bool
 ) -> anomalies.Anomaly | None:
     """The step's verdict (the same on every rank); global rank 0 records a bad one before
-    the step's metrics move, so a scrape that counts it finds its record."""
+    the step's metrics move, so a scrape that counts it finds its record, and a good one
+    `after_bad` as the `clean` line that ends the episode."""
     outcome = StepOutcome(
         step=done.step,
         loss=done.loss,
@@ -310,8 +318,11 @@ def _judge(
         next_cursor=done.cursor,
     )
     bad = judge(outcome, trend, spec.recovery, ctx.attempt, time.time())
-    if bad is not None and tr.rank == 0:
-        anomalies.append(tr.root, bad)
+    if tr.rank == 0:
+        if bad is not None:
+            anomalies.append(tr.root, bad)
+        elif after_bad:
+            anomalies.append(tr.root, clean_record(outcome, ctx.attempt, time.time()))
     return bad
 
 

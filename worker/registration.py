@@ -1,8 +1,10 @@
 """Register this node's metrics endpoint with the supervisor and keep it fresh.
 
-Why never raise: the supervisor being down must not cost training steps. Registration is
-retried briefly (tenacity) and then left to the heartbeat, which re-sends the same PUT every
-`interval_s` from a daemon thread; every failure is logged, none propagates.
+Why never raise, nor wait: the supervisor being down or slow must not cost training steps.
+The first PUT goes out from the heartbeat's daemon thread as training starts (the endpoint
+serves already; Prometheus finds it at its next discovery), retried briefly (tenacity) and
+then left to the heartbeat, which re-sends the same PUT every `interval_s`; every failure is
+logged, none propagates.
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ class Registrar:
         return True
 
     def start(self, host: str, port: int) -> None:
-        """Register now and keep heartbeating until `stop()` or process exit."""
+        """Register at once and keep heartbeating until `stop()` or process exit, from a
+        daemon thread: the caller goes on training while the PUT is in flight."""
         self._body = {"host": host, "port": port}
-        self.beat()
         self._thread = threading.Thread(target=self._loop, name="nightwatch-heartbeat", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        self.beat()
         while not self._stop.wait(self.interval_s):
             self.beat()
 

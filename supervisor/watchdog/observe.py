@@ -210,6 +210,15 @@ class Observer:
         self._anomalies[run.id] = (stamp, records)
         return records
 
+    def evidence_files(self, run: Run, attempt: Attempt, spec: RunSpec) -> tuple[Path, ...]:
+        """What changes the moment the attempt goes wrong: the trainer's record of bad steps,
+        and (restarts inside the job) the folder its ranks' exit codes land in (a new file
+        there changes the folder's mtime). The loop between ticks watches them."""
+        paths = [ledger_path(checkpoint_dir(self.home, run.id, spec))]
+        if spec.recovery.restart_in_job and attempt.job_id:
+            paths.append(attempt_log_dir(self.home, run.id, attempt.number) / attempt.job_id)
+        return tuple(paths)
+
     def save_timing(self, run: Run, spec: RunSpec) -> SaveTiming | None:
         """The trainer's newest save timing (and the interval it saves at), re-read only when
         the file changed."""

@@ -42,7 +42,7 @@ from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobState, SourceUnavailable, make_cluster
 from supervisor.watchdog import policy, strays
 from supervisor.watchdog.actions import ActContext, ActionKind, Actuator, ActuatorConfig
-from supervisor.watchdog.detectors import contained, detect_all, unremedied_spikes
+from supervisor.watchdog.detectors import contained, detect_all, hang_due, unremedied_spikes
 from supervisor.watchdog.lease import Deposed, LeaseGuard
 from supervisor.watchdog.ledger import Ledger
 from supervisor.watchdog.notify import Notifier
@@ -56,6 +56,20 @@ log = logging.getLogger("nightwatch.watchdog")
 #: How often the leader lists the cluster's nodes into `nodes`, so that an operator can exclude
 #: a node no job of Nightwatch's has run on yet.
 NODE_LIST_EVERY_S = 60.0
+#: Between ticks, how often the files a fault writes at once (`Observer.evidence_files`) are
+#: looked at: one stat each, and a tenth of a second is small next to any restart (≥ 1 s).
+WAKE_POLL_S = 0.1
+
+#: A file's (size, mtime); None when it is missing.
+Stamp = tuple[int, int] | None
+
+
+def file_stamp(path: Path) -> Stamp:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns)
 
 
 def default_holder() -> str:
@@ -152,6 +166,10 @@ class Reconciler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nodes_listed_at = -NODE_LIST_EVERY_S  # monotonic: list them at the first tick
+        #: The evidence files of the runs the last tick reconciled (`Observer.evidence_files`).
+        self._evidence: set[Path] = set()
+        #: The soonest hang verdict the last tick saw coming (`hang_due`, wall clock), if any.
+        self._hang_due: float | None = None
 
     # ------------------------------------------------------------------ loop
 
@@ -168,18 +186,52 @@ class Reconciler:
             self._thread.join(timeout_s)
 
     def run_forever(self) -> None:
+        watched: dict[Path, Stamp] = {}
         while not self._stop.is_set():
             started = time.monotonic()
+            seen = {p: file_stamp(p) for p in watched}  # as this tick will find them
             try:
                 self.tick()
             except Exception:  # one bad tick must not kill the supervisor
                 log.exception("tick failed")
-            self._stop.wait(max(0.0, self.config.tick_seconds - (time.monotonic() - started)))
+            watched = {p: seen[p] if p in seen else file_stamp(p) for p in self._evidence}
+            hang = None
+            if self._hang_due is not None:
+                hang = time.monotonic() + self._hang_due - time.time()
+            self.wait_for_next_tick(started, time.monotonic() - started, watched, hang)
+
+    def wait_for_next_tick(
+        self,
+        started: float,
+        took: float,
+        watched: dict[Path, Stamp],
+        hang_due: float | None = None,
+    ) -> bool:
+        """Until the next tick is due, or earlier once a watched file changed from its stamp
+        (a bad step recorded, a rank's exit code written), or at `hang_due` (monotonic) when
+        a hang verdict becomes possible then: the fault is acted on in a fraction of a second
+        instead of up to a tick later. An early tick starts no sooner than the last one's
+        duration after it ended, so the loop is never more than half busy. True when woken
+        early (or stopped)."""
+        due = started + self.config.tick_seconds
+        soonest = started + 2 * took
+        if hang_due is not None and hang_due > soonest:
+            due = min(due, hang_due)
+        while True:
+            now = time.monotonic()
+            if now >= due:
+                return due < started + self.config.tick_seconds
+            if now >= soonest and any(file_stamp(p) != s for p, s in watched.items()):
+                return True
+            if self._stop.wait(min(WAKE_POLL_S, due - now)):
+                return True
 
     def tick(self) -> TickResult:
         started = time.perf_counter()
         cpu_started = time.process_time()
         now = self.clock()
+        self._evidence = set()
+        self._hang_due = None
         result = TickResult(leader=self.lease.acquire())
         if not result.leader:
             return result
@@ -289,6 +341,7 @@ class Reconciler:
         job_running = status is not None and status.state is JobState.RUNNING
         if attempt is not None:
             status = self.observer.ranks_ended(run, attempt, status, spec)
+            self._evidence.update(self.observer.evidence_files(run, attempt, spec))
         if run.cancel_requested:
             self.actuator.cancel_run(
                 run.id, run.current_attempt, attempt.job_id if attempt else None, active_job
@@ -380,6 +433,9 @@ class Reconciler:
         # detect
         findings = detect_all(snap, spec.recovery)
         if not findings:
+            due = hang_due(snap, spec.recovery)
+            if due is not None and due > now:
+                self._hang_due = min(due, self._hang_due or due)
             return Outcome()
         result.findings[run.id] = findings
         # decide

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from contracts.task import node_name
@@ -67,6 +69,24 @@ def test_registrar_registers_and_heartbeats():
             reg.stop()
         assert sup.for_run("run-a", 2) == {"n1": {"host": "127.0.0.1", "port": 9100}}
         assert sup.puts >= 3  # the first PUT plus heartbeats
+
+
+@pytest.mark.timeout(30)  # half the PUT's timeout: a start() that waited for it fails here
+def test_registrar_start_does_not_wait_for_the_supervisor():
+    """A supervisor that takes the connection and never answers: start() returns while the
+    first PUT is still in flight (training goes on), and the PUT is made."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        reg = Registrar(url, "w", "r", 1, "n1", timeout_s=60.0)
+        reg.start("127.0.0.1", 9100)
+        try:
+            conn, _ = silent.accept()  # the PUT reached the socket
+            with conn:
+                assert reg._thread is not None and reg._thread.is_alive()
+        finally:
+            reg.stop()
 
 
 def test_registrar_never_raises_when_supervisor_is_down_or_refuses():

@@ -12,6 +12,7 @@ from benchmarks.chaos_soak import (
     Mode,
     _without_seeds,
     acceptance,
+    cluster_size,
     mode_from_args,
     parse_args,
     parse_seeds,
@@ -48,12 +49,23 @@ def test_soak_spec_is_a_valid_run_with_the_schedules_faults() -> None:
     assert spec.parallelism.world_size == spec.resources.world_size == 4
     assert len(spec.faults) == 4  # poison + three sick nodes
     assert spec.recovery.max_excluded_nodes == 4
+    # A node fault moves to the job's spare inside the running job (no new sbatch).
+    assert spec.resources.spare_nodes == 1 and spec.recovery.restart_in_job
+
+
+def test_the_cluster_holds_the_job_its_spare_and_a_node_for_each_node_fault() -> None:
+    assert cluster_size(Mode((), 100, 10, ())) == 2 + 1 + 1
+    short = mode_from_args(parse_args(["--short"]))  # one node fault: the NaN node
+    assert cluster_size(short) == 2 + 1 + 1 + 1
+    full = mode_from_args(parse_args([]))  # NaN node, hang, straggler, node death
+    assert cluster_size(full) == 2 + 1 + 4 + 1
 
 
 def test_baseline_script_requeues_and_resumes_the_same_program(tmp_path: Path) -> None:
     spec = soak_spec(Mode((), 100, 10, ()), None, DATA)
     text = sbatch_script(spec, tmp_path / "spec.json", tmp_path, "baseline")
     assert "#SBATCH --requeue" in text and "#SBATCH --signal=USR2@90" in text
+    # The job's nodes alone: the baseline has no spare to move to (nor the reference).
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=2" in text
     assert "-m megatron_runs.train" in text and '--attempt "$SLURM_RESTART_COUNT"' in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text

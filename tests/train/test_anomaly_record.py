@@ -2,8 +2,9 @@
 
 Pipeline 2 × data 2 (the loss lives on the last stage, each data rank holds half the batch):
 a NaN batch, and a spike window that starts and ends inside steps, are named to the sample;
-no other step is; a resumed attempt judges its first step against the trend its checkpoint
-kept. A run that keeps skipping updates stops with exit 79 and says why.
+no other step is, but the first good one after each (its `clean` line); a resumed attempt
+judges its first step against the trend its checkpoint kept. A run that keeps skipping
+updates stops with exit 79 and says why.
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ def test_bad_steps_are_named_to_the_sample_and_a_resume_keeps_judging(run_train,
     records = anomalies.read(ckpt)
     assert [(a.attempt, a.step, a.kind) for a in records] == [
         (1, NAN_STEP, anomalies.NONFINITE),
+        (1, NAN_STEP + 1, anomalies.CLEAN),  # the episode is over
         (2, 21, anomalies.SPIKE),  # the first step after the resume from step 20
         (2, 22, anomalies.SPIKE),
+        (2, 23, anomalies.CLEAN),
     ]
-    nan, spike_a, spike_b = records
+    nan, nan_over, spike_a, spike_b, spike_over = records
+    assert nan_over.consumed == (96, 104) and not nan_over.samples
+    assert spike_over.consumed == (176, 184) and spike_over.loss < spike_b.threshold
     assert nan.samples == ((88, 96),) and nan.update_skipped
     assert nan.nodes == ("n1",)  # the NaN samples' gradients: on the job's only node
     assert nan.consumed == (88, 96)

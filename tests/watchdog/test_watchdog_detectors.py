@@ -25,6 +25,7 @@ from supervisor.watchdog.detectors import (
     detect_startup_hang,
     detect_straggler,
     detect_throughput_drop,
+    hang_due,
     startup_limit,
 )
 from supervisor.watchdog.policy import rollback_target
@@ -207,6 +208,21 @@ def test_hang_uses_median_step_time_with_a_floor(rc: RecoverySpec) -> None:
     assert hung_at is not None
     assert detect_hang(snapshot(upto(fast, hung_at + 59)), rc) == []
     assert detect_hang(snapshot(upto(fast, hung_at + 61)), rc) != []
+
+
+def test_hang_due_is_the_limit_after_the_last_step_and_one_scrape(rc: RecoverySpec) -> None:
+    """The reconciler ticks at `hang_due`: by then a sample shows the stillness past the
+    limit, and none before the limit does."""
+    fast = simulate(7, steps=1000, faults=Faults(hang_at=90), step_seconds=0.1)
+    hung_at = fast[-1].last_step_ts
+    assert hung_at is not None
+    scrape = 2 * 0.1  # simulate's default: a sample every 2 steps of 0.1 s
+    due = hang_due(snapshot(upto(fast, hung_at + 1)), rc)
+    assert due == pytest.approx(hung_at + 60 + scrape)  # the 60 s floor (10 × 0.1 s is less)
+    convicting = [x.t for x in fast if x.t > hung_at and detect_hang(snapshot(upto(fast, x.t)), rc)]
+    assert hung_at + 60 < convicting[0] <= due
+    done = snapshot(upto(fast, hung_at + 1), job_state=AttemptState.COMPLETED)
+    assert hang_due(done, rc) is None and hang_due(snapshot([]), rc) is None
 
 
 def test_a_hang_is_seen_not_assumed_across_a_blind_spot(rc: RecoverySpec) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_chec
 
 from contracts import anomalies, exitcodes
 from contracts.checkpoints import SaveTiming, pinned, write_save_timing
-from contracts.paths import checkpoint_dir
+from contracts.paths import attempt_log_dir, checkpoint_dir
 from contracts.spec import RunSpec
 from supervisor import accounting, store
 from supervisor.db import Database
@@ -789,3 +790,83 @@ def test_an_auto_interval_run_gets_its_mtbf_and_each_interval_change_is_one_even
     write_save_timing(ckpt, dataclasses.replace(timing, step=47, interval_steps=41))
     rec.tick()
     assert interval_events() == [37, 41]
+
+
+def test_a_fault_the_trainer_or_a_node_task_records_wakes_the_loop_before_the_tick_is_due(
+    db: Database, tmp_path: Path
+) -> None:
+    """Between ticks the loop watches the trainer's record of bad steps and the folder the
+    ranks' exit codes land in: a change there starts the next tick at once, while a quiet
+    run waits for the tick that is due (here 60 s away)."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec = make(db, tmp_path, cluster, source, tick_seconds=60.0)
+    spec = {**TINY_SPEC, "recovery": {"restart_in_job": True}}
+    run_id = new_run(db, spec)
+    rec.tick()
+    job = cluster.submitted[-1][0]
+    cluster.set(job, JobState.RUNNING)
+    source.samples[(run_id, 1)] = _trained(run_id, 20)
+    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
+    folder.mkdir(parents=True)
+    ticks: list[float] = []
+    tick = rec.tick
+
+    def counted() -> object:
+        ticks.append(time.monotonic())
+        return tick()
+
+    rec.tick = counted  # type: ignore[method-assign]
+    rec.start()
+    try:
+        _wait_for(lambda: len(ticks) == 1)
+        time.sleep(1.0)  # quiet: nothing changed, no tick before the one due
+        assert len(ticks) == 1
+        ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(spec))
+        _record(ckpt, anomalies.Anomaly(1, 21, anomalies.SPIKE, ((160, 168),), t=time.time()))
+        _wait_for(lambda: len(ticks) == 2)
+        (folder / f"{job}_3_exit_code").write_text(str(exitcodes.ERROR))
+        _wait_for(lambda: len(ticks) == 3)
+        time.sleep(1.0)
+        assert len(ticks) == 3  # each change woke the loop once
+    finally:
+        rec.stop()
+
+
+def _wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the loop did not wake"
+        time.sleep(0.02)
+
+
+def test_the_loop_ticks_when_a_hang_verdict_becomes_possible(db: Database, tmp_path: Path) -> None:
+    """A run whose last step was 58 s ago under a 60 s hang limit: the loop's next tick comes
+    when a scrape can show the limit passed (`hang_due`: about 3 s away), not at the tick
+    that is due in 60 s; after it, with no verdict to wait for, the loop waits again."""
+    cluster, source = FakeCluster(), FakeSource()
+    rec = make(db, tmp_path, cluster, source, tick_seconds=60.0)
+    run_id = new_run(db)
+    rec.tick()
+    cluster.set(cluster.submitted[-1][0], JobState.RUNNING)
+    last = time.time() - 58.0
+    source.samples[(run_id, 1)] = [
+        MetricSample(t=last - 20 + s, step=s, loss=3.0, samples_consumed=8 * s,
+                     nonfinite_total=0, last_step_ts=last - 20 + s)
+        for s in range(1, 21)
+    ]  # fmt: skip
+    ticks: list[float] = []
+    tick = rec.tick
+
+    def counted() -> object:
+        ticks.append(time.time())
+        return tick()
+
+    rec.tick = counted  # type: ignore[method-assign]
+    rec.start()
+    try:
+        _wait_for(lambda: len(ticks) == 2)
+        assert ticks[1] >= last + 60 + 1.0  # the limit, and one scrape (1 s apart here)
+        time.sleep(1.0)
+        assert len(ticks) == 2
+    finally:
+        rec.stop()

@@ -9,9 +9,25 @@ import math
 import pytest
 from watchdog_curves import Faults, simulate, snapshot
 
-from contracts.anomalies import NONFINITE, SPIKE, STOP, Anomaly, merge_ranges, parse, ranges_of
+from contracts.anomalies import (
+    CLEAN,
+    NONFINITE,
+    SPIKE,
+    STOP,
+    Anomaly,
+    merge_ranges,
+    parse,
+    ranges_of,
+)
 from contracts.spec import RecoverySpec
-from megatron_runs.anomaly import MIN_TREND_STEPS, LossTrend, SkipBudget, StepOutcome, judge
+from megatron_runs.anomaly import (
+    MIN_TREND_STEPS,
+    LossTrend,
+    SkipBudget,
+    StepOutcome,
+    clean_record,
+    judge,
+)
 from supervisor.metrics_in import MetricSample
 from supervisor.models import AttemptState
 from supervisor.watchdog.detectors import (
@@ -93,6 +109,10 @@ def nan(
     )
 
 
+def clean(step: int, attempt: int = 1) -> Anomaly:
+    return Anomaly(attempt, step, CLEAN, consumed=(8 * step - 8, 8 * step), t=1000.0 + step)
+
+
 HISTORY = RunHistory(
     checkpoints=(CheckpointRef(10, 0.0), CheckpointRef(20, 0.0), CheckpointRef(30, 0.0)),
     attempt_nodes=NODES,
@@ -114,6 +134,20 @@ def test_a_spike_episode_is_judged_once_over_and_skips_exactly_its_samples(
     assert remedy.skip_ranges == ((229, 243),)  # the window, not [rollback, detection)
     margin = RecoverySpec(skip_margin_samples=4)
     assert skip_ranges(f, margin, 8) == ((229, 247),)
+
+
+def test_the_trainers_clean_line_ends_an_episode_before_a_scrape_shows_a_later_step(
+    rc: RecoverySpec,
+) -> None:
+    records = [spike(29, ((229, 232),)), spike(30, ((232, 240),)), spike(31, ((240, 243),))]
+    # The metrics still show step 31 only; the trainer's line for step 32 says it came clean.
+    (f,) = detect_trainer_anomalies(_snap([*records, clean(32)], 31), rc)
+    assert f.bad_samples == ((229, 243),)  # the window alone: no rollback_skip_steps added
+    # A clean line of an earlier episode ends nothing after it.
+    assert detect_trainer_anomalies(_snap([clean(28), *records], 31), rc) == []
+    nans = [nan(40, nodes=NODES), nan(41, nodes=NODES)]
+    assert contained(_snap(nans, 41, nonfinite_total=2.0), rc) == []
+    assert len(contained(_snap([*nans, clean(42)], 41, nonfinite_total=2.0), rc)) == 1
 
 
 def test_a_spike_episode_over_because_the_job_ended_is_judged(rc: RecoverySpec) -> None:
@@ -298,6 +332,8 @@ def test_the_trainer_names_nonfinite_and_spiking_samples_and_learns_only_from_go
     assert worse is not None and worse.kind == NONFINITE and worse.samples == ((86, 87),)
     node = judge(_outcome(12, [7.0] * 8, skipped=True, nodes=("n2",)), trend, rc, 1, 0.0)
     assert node is not None and node.samples == () and node.nodes == ("n2",)
+    over = clean_record(_outcome(13, [7.0] * 8), 1, 5.0)  # the good step after them
+    assert (over.kind, over.step, over.consumed, over.samples) == (CLEAN, 13, (96, 104), ())
 
 
 def test_the_skip_budget_counts_within_its_window() -> None:

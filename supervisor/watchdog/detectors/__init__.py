@@ -30,6 +30,7 @@ from supervisor.watchdog.detectors.progress import (
     detect_startup_hang,
     detect_straggler,
     detect_throughput_drop,
+    hang_due,
     median_step_time,
     startup_limit,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "detect_straggler",
     "detect_throughput_drop",
     "detect_trainer_anomalies",
+    "hang_due",
     "median_step_time",
     "spike_threshold",
     "startup_limit",

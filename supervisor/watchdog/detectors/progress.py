@@ -167,9 +167,7 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     if latest.last_step_ts is None or latest.last_step_ts <= 0 or latest.up == 0:
         return []
     typical = median_step_time(snap.metrics.samples)
-    limit = rc.hang_floor_seconds
-    if typical:
-        limit = max(rc.hang_factor * typical, limit)
+    limit = hang_limit(typical, rc)
     dark = silent_hung_nodes(snap, snap.metrics.dark_nodes, limit)
     exited = silent_hung_nodes(snap, snap.metrics.exited_nodes, limit)
     silent = dark or exited
@@ -190,6 +188,29 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             last_healthy_step=latest.step,
         )
     ]
+
+
+def hang_limit(typical: float | None, rc: RecoverySpec) -> float:
+    """Seconds without a step that make a hang: hang_factor × the typical step, at least
+    the floor."""
+    if not typical:
+        return rc.hang_floor_seconds
+    return max(rc.hang_factor * typical, rc.hang_floor_seconds)
+
+
+def hang_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
+    """When (wall clock) `detect_hang` can first see a hang if no step comes: the limit after
+    the last step, plus one scrape interval (the median gap between the view's samples) for
+    a sample to show that stillness. None when the job does not run or no step was seen."""
+    samples = snap.metrics.samples
+    if not job_running(snap) or not samples:
+        return None
+    last = samples[-1].last_step_ts
+    if last is None or last <= 0:
+        return None
+    gaps = [b.t - a.t for a, b in itertools.pairwise(samples) if b.t > a.t]
+    scrape = statistics.median(gaps) if gaps else 0.0
+    return last + hang_limit(median_step_time(samples), rc) + scrape
 
 
 def _hang_finding(

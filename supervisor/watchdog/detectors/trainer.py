@@ -4,8 +4,9 @@ The trainer judges every step on each sample's loss and each node's gradients, s
 dates an onset to the step and names the bad samples and nodes exactly, whatever the scrape
 interval. From it:
 - a spike episode (consecutive spike steps) is a LOSS_SPIKE whose skip is exactly its bad
-  samples; it is judged once it is over (a later step came clean, or the job ended), so the
-  whole window is skipped at once, or once it has lasted WINDOW_STEPS steps (then
+  samples; it is judged once it is over (a later step came clean: the trainer's `clean` line,
+  or a scrape of a later step; or the job ended), so the whole window is skipped at once, or
+  once it has lasted WINDOW_STEPS steps (then
   `rollback_skip_steps` batches past it are skipped too); an episode of at most
   `tolerate_spike_steps` steps that is over is contained;
 - non-finite steps are contained (the optimizer skipped their updates; the trainer's own budget
@@ -22,7 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from contracts.anomalies import NONFINITE, SPIKE, STOP, Anomaly, Ranges, merge_ranges
+from contracts.anomalies import CLEAN, NONFINITE, SPIKE, STOP, Anomaly, Ranges, merge_ranges
 from contracts.metric_names import WINDOW_STEPS
 from contracts.spec import RecoverySpec
 from supervisor.watchdog.detectors.common import job_running
@@ -70,10 +71,12 @@ def episodes(records: Sequence[Anomaly], kind: str) -> list[Episode]:
 
 def _over(snap: Snapshot, episode: Episode) -> bool:
     """A later step came clean (the record of a bad one is written before the metrics show
-    it), or the job no longer trains."""
+    it): the trainer's `clean` line says so at once, a scrape of a later step a scrape
+    later; or the job no longer trains."""
     latest = snap.metrics.latest
     stepped_past = latest is not None and latest.step is not None and latest.step > episode.last
-    return stepped_past or not job_running(snap)
+    cleared = any(a.kind == CLEAN and a.step > episode.last for a in snap.anomalies)
+    return stepped_past or cleared or not job_running(snap)
 
 
 def _blamed_nodes(records: Sequence[Anomaly], snap: Snapshot) -> tuple[str, ...]:
