@@ -808,14 +808,7 @@ def test_a_fault_the_trainer_or_a_node_task_records_wakes_the_loop_before_the_ti
     source.samples[(run_id, 1)] = _trained(run_id, 20)
     folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
     folder.mkdir(parents=True)
-    ticks: list[float] = []
-    tick = rec.tick
-
-    def counted() -> object:
-        ticks.append(time.monotonic())
-        return tick()
-
-    rec.tick = counted  # type: ignore[method-assign]
+    ticks = _count_ticks(rec)
     rec.start()
     try:
         _wait_for(lambda: len(ticks) == 1)
@@ -830,6 +823,19 @@ def test_a_fault_the_trainer_or_a_node_task_records_wakes_the_loop_before_the_ti
         assert len(ticks) == 3  # each change woke the loop once
     finally:
         rec.stop()
+
+
+def _count_ticks(rec: Reconciler) -> list[float]:
+    """The wall times of the loop's ticks, appended as they start."""
+    ticks: list[float] = []
+    tick = rec.tick
+
+    def counted() -> object:
+        ticks.append(time.time())
+        return tick()
+
+    rec.tick = counted  # type: ignore[method-assign]
+    return ticks
 
 
 def _wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -854,14 +860,7 @@ def test_the_loop_ticks_when_a_hang_verdict_becomes_possible(db: Database, tmp_p
                      nonfinite_total=0, last_step_ts=last - 20 + s)
         for s in range(1, 21)
     ]  # fmt: skip
-    ticks: list[float] = []
-    tick = rec.tick
-
-    def counted() -> object:
-        ticks.append(time.time())
-        return tick()
-
-    rec.tick = counted  # type: ignore[method-assign]
+    ticks = _count_ticks(rec)
     rec.start()
     try:
         _wait_for(lambda: len(ticks) == 2)
