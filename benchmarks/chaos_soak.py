@@ -63,8 +63,9 @@ from benchmarks.soak.services import (
 from supervisor.auth import Scope
 
 JOB_NODES, PER_NODE = 2, 2
-#: Idle nodes the job holds (`resources.spare_nodes`): a node fault moves to one inside the
-#: running job; once it is used up, the next node fault resubmits.
+#: Idle nodes the job holds by default (`resources.spare_nodes`, `--spare-nodes`): a node fault
+#: moves to one inside the running job; once they are used up, the next node fault resubmits
+#: (and the new job holds as many again).
 SPARE_NODES = 1
 HANG_FLOOR_S = 5.0
 ROLLBACK_SKIP_STEPS = 8
@@ -77,6 +78,7 @@ class Mode:
     checkpoint_interval: int
     systems: tuple[str, ...]
     distributed_optimizer: bool = True
+    spare_nodes: int = SPARE_NODES
 
 
 def mode_from_args(args: argparse.Namespace) -> Mode:
@@ -92,7 +94,10 @@ def mode_from_args(args: argparse.Namespace) -> Mode:
     systems = ("nightwatch",) if (args.clean or args.short) else ("nightwatch", "baseline")
     if args.systems:
         systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    return Mode(kinds, steps, args.checkpoint_interval, systems, args.distributed_optimizer)
+    return Mode(
+        kinds, steps, args.checkpoint_interval, systems, args.distributed_optimizer,
+        args.spare_nodes,
+    )  # fmt: skip
 
 
 def cluster_size(mode: Mode) -> int:
@@ -100,7 +105,7 @@ def cluster_size(mode: Mode) -> int:
     (each takes a node for good), and one for a node SLURM still completes when a
     resubmission is placed."""
     node_faults = sum(1 for k in mode.kinds if k in NODE_FAULTS)
-    return JOB_NODES + SPARE_NODES + node_faults + 1
+    return JOB_NODES + mode.spare_nodes + node_faults + 1
 
 
 def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> dict[str, Any]:
@@ -125,7 +130,7 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
         "resources": {
             "device": "cpu",
             "nodes": JOB_NODES,
-            "spare_nodes": SPARE_NODES,
+            "spare_nodes": mode.spare_nodes,
             "gpus_per_node": PER_NODE,
             "cpus_per_task": 1,
             # Longer than any soak: a clean run must not end at a walltime (the supervisor's
@@ -293,6 +298,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--steps", type=int, default=None, help="train_steps (overrides --minutes)")
     ap.add_argument("--checkpoint-interval", type=int, default=10)
+    ap.add_argument(
+        "--spare-nodes",
+        type=int,
+        default=SPARE_NODES,
+        help="idle nodes Nightwatch's job holds for node faults (resources.spare_nodes)",
+    )
     ap.add_argument("--faults", default=None, help="comma-separated kinds (default: all)")
     ap.add_argument("--short", action="store_true", help="≈ 5 minutes, 3 fault kinds")
     ap.add_argument("--clean", action="store_true", help="no faults: zero remedies expected")
