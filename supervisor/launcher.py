@@ -153,6 +153,7 @@ def job_request(plan: SubmitPlan) -> JobRequest:
         exclude=exclude,
         signal_delay_s=plan.signal_delay_s,
         requeue=plan.requeue,
+        no_kill=bool(res.spare_nodes),
         python=plan.node_setup.python,
         setup=plan.node_setup.setup,
     )

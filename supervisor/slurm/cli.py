@@ -257,6 +257,9 @@ def sbatch_parameters(request: JobRequest) -> dict[str, object]:
     Every string here becomes an `#SBATCH` line of a bash script, so each is checked against
     its pattern (`contracts.slurm_names`) whatever checked it before: InvalidRequest otherwise.
     """
+    additional: dict[str, object] = {"requeue" if request.requeue else "no-requeue": True}
+    if request.no_kill:
+        additional["no-kill"] = True
     params: dict[str, object] = {
         "job_name": _checked(check_job_name, request.job_name),
         "nodes": request.nodes,
@@ -265,8 +268,10 @@ def sbatch_parameters(request: JobRequest) -> dict[str, object]:
         "time": request.time_limit_minutes,
         "signal_delay_s": request.signal_delay_s,
         "stderr_to_stdout": True,
-        "additional_parameters": {"requeue" if request.requeue else "no-requeue": True},
+        "additional_parameters": additional,
     }
+    if request.no_kill:
+        params["srun_args"] = ["--no-kill"]
     if request.gpus_per_node:
         params["gpus_per_node"] = request.gpus_per_node
     if request.memory_gib:

@@ -189,6 +189,9 @@ class JobRequest:
     exclude: tuple[str, ...] = ()
     signal_delay_s: int = 90
     requeue: bool = False
+    #: The job (and its step) outlives a failed node (`--no-kill`): a job holding spares moves
+    #: a dead node's ranks to one inside the allocation, which SLURM's default kill would end.
+    no_kill: bool = False
     #: Ranks each task forks (`worker.ranks`): not SLURM's concern, but a job's exit codes
     #: are recorded per rank, and the local executor counts them.
     ranks_per_task: int = 1

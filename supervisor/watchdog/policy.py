@@ -548,6 +548,11 @@ def decide(
     ]
     if kind in NUMERIC_FAULTS:
         return _numeric(finding, prior, history, rc, snap.global_batch_size)
+    if kind is FindingKind.JOB_NODE_FAIL and finding.nodes:
+        left = set(finding.nodes) <= history.excluded_nodes
+        if left:  # the run had moved off the node, but SLURM ended the job with it
+            why = f"{finding.summary} ({', '.join(finding.nodes)} excluded already): resubmit"
+            return Remedy(RemedyKind.RESTART, why, finding=finding)
     if kind in (FindingKind.STRAGGLER, FindingKind.JOB_NODE_FAIL):
         if finding.nodes:
             return _exclude_named(finding, history, rc)

@@ -17,9 +17,10 @@ from contracts.restart import (
     write_order,
 )
 from supervisor import launcher
-from supervisor.slurm import JobState, tail, wait_for
+from supervisor.slurm import JobState, NodeState, tail, wait_for
 
 from .cluster_helpers import latest, wait_until
+from .conftest import devcluster
 
 pytestmark = pytest.mark.integration
 
@@ -125,3 +126,39 @@ def test_a_spare_node_takes_a_bad_nodes_place_inside_the_job(slurm, tmp_path, to
         [first, first, spare, spare]
     )
     assert latest(plan.checkpoint_dir) == 16
+
+
+def test_a_spare_takes_a_dead_nodes_place_and_the_job_lives_on(
+    slurm, cluster_dir, tmp_path, toy_spec, toy_plan
+):
+    """A job holding a spare is submitted `--no-kill`: when a node dies (its host frozen,
+    then set DOWN by SLURM) the job and its step go on, and an order moves the dead node's
+    ranks to the spare. SLURM's default would have ended the job on the node's failure."""
+    spec = _spec(toy_spec, "injob-dead")
+    resources = spec.resources.model_copy(update={"spare_nodes": 1})
+    spec = spec.model_copy(update={"resources": resources})
+    plan = _plan(toy_plan, tmp_path, spec)
+    job = launcher.submit(slurm, plan).job_id
+    first, dead, spare = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60).nodes
+    wait_until("step 4 saved", lambda: latest(plan.checkpoint_dir) >= 4, 90)
+    assert devcluster("kill-node", dead, cluster_dir=cluster_dir).returncode == 0
+    try:
+        down = lambda: slurm.nodes()[dead].state is NodeState.DOWN  # noqa: E731
+        wait_until("the frozen node set down", down, 60)
+        assert slurm.poll([job])[job].state is JobState.RUNNING
+        a2 = tmp_path / "logs-a2"
+        order = RestartOrder(attempt=2, log_dir=str(a2), resume_step=4, nodes=(first, spare))
+        write_order(job_control_dir(tmp_path / "run", job), order)
+        wait_until("attempt 2 trained to the end", lambda: latest(plan.checkpoint_dir) == 16, 90)
+        text = "".join(tail(p) for p in (a2 / job).glob(f"{job}_*_log.out"))
+        assert sorted(re.findall(r"rank \d/4 on (\w+) starts at step 4", text)) == sorted(
+            [first, first, spare, spare]
+        )
+        wait_until("attempt 2's ranks ended", lambda: len(_exits(a2, job)) == 4, 60)
+        assert sorted(_exits(a2, job)) == [(r, exitcodes.OK) for r in range(4)]
+        done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=60)
+        # the dead node left the allocation; the job ended as its live nodes did
+        assert done.state is JobState.COMPLETED and done.nodes == (first, spare), done
+    finally:
+        revived = devcluster("revive-node", dead, cluster_dir=cluster_dir)
+        assert revived.returncode == 0, revived.stderr

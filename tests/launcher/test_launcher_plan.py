@@ -59,6 +59,17 @@ def test_job_request_from_plan(plan):
     assert "NIGHTWATCH_URL" not in bare and "NIGHTWATCH_WORKER_TOKEN" not in bare
 
 
+def test_a_job_with_spares_outlives_a_failed_node(plan):
+    """Only a job that holds spares asks SLURM not to end it when a node fails: it moves the
+    node's ranks to a spare inside the allocation (`worker.task`); without spares SLURM's
+    default kill ends the job at once, which the watchdog sees as NODE_FAIL and resubmits."""
+    assert launcher.job_request(plan).no_kill is False
+    resources = plan.spec.resources.model_copy(update={"spare_nodes": 1})
+    spared = replace(plan, spec=plan.spec.model_copy(update={"resources": resources}))
+    req = launcher.job_request(spared)
+    assert (req.nodes, req.no_kill) == (3, True)
+
+
 def test_a_gpu_spec_asks_for_its_gpus_whatever_host_the_supervisor_runs_on(plan):
     resources = plan.spec.resources.model_copy(
         update={"device": "gpu", "memory_gib": 200, "exclusive": True}

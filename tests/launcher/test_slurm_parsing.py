@@ -241,7 +241,10 @@ def test_sbatch_parameters():
     assert "qos" not in params
     cpu = sbatch_parameters(JobRequest("j", Path("/tmp"), 1, 2, requeue=True))
     assert "gpus_per_node" not in cpu and cpu["additional_parameters"] == {"requeue": True}
-    assert not {"mem", "exclusive", "setup"} & set(cpu)
+    assert not {"mem", "exclusive", "setup", "srun_args"} & set(cpu)
+    spared = sbatch_parameters(JobRequest("j", Path("/tmp"), 3, 1, no_kill=True))
+    assert spared["additional_parameters"] == {"no-requeue": True, "no-kill": True}
+    assert spared["srun_args"] == ["--no-kill"]  # the step, too, goes on without the node
 
 
 def test_rendered_batch_script_is_what_sbatch_gets():

@@ -300,6 +300,20 @@ def test_exclusion_budget_escalates(rc: RecoverySpec) -> None:
     assert decide(snap_at(10), [unknown_node], RunHistory(), rc).kind is RemedyKind.RESTART
 
 
+def test_a_job_ended_by_a_node_the_run_had_left_is_resubmitted(rc: RecoverySpec) -> None:
+    """The run moved off n2 to a spare inside the job, and SLURM still ended the job on n2's
+    failure: nothing is left to exclude, and nothing to escalate either."""
+    fail = Finding(
+        kind=FindingKind.JOB_NODE_FAIL, summary="job 2 node_fail", cause=Cause.NODE, nodes=("n2",)
+    )
+    left = RunHistory(excluded_nodes=frozenset({"n2"}))
+    r = decide(snap_at(10, job_state=AttemptState.NODE_FAIL), [fail], left, rc)
+    assert r.kind is RemedyKind.RESTART and "n2 excluded already" in r.reason
+    both = dataclasses.replace(fail, nodes=("n2", "n3"))
+    r = decide(snap_at(10, job_state=AttemptState.NODE_FAIL), [both], left, rc)
+    assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n3",)
+
+
 @pytest.mark.parametrize(
     ("kind", "cause", "expected"),
     [
