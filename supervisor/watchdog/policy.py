@@ -492,6 +492,11 @@ def _restart_then_nodes(
             rc,
             f"crash recurred on {', '.join(same)}",
         )
+    if finding.kind in _CRASH_FAMILY:
+        # Unnamed crashes too: the nodes two unrelated crashes share in a small job are chance.
+        prior = _crash_evidence(prior, history, rc, step)
+        if not prior:
+            return Remedy(RemedyKind.RESTART, f"{finding.summary} (no crash loop)", finding=finding)
     suspects = node_suspects(finding, prior, history)
     if not suspects:
         # No node was in every faulty attempt: like a crash on another node, not a node's fault

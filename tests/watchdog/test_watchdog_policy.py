@@ -423,6 +423,26 @@ def test_crashes_far_apart_on_one_node_of_two_are_chance_not_the_node(rc: Recove
     assert r.kind is RemedyKind.EXCLUDE_NODE and r.exclude_nodes == ("n2",)
 
 
+def test_unnamed_crashes_far_apart_do_not_indict_the_nodes_they_shared(rc: RecoverySpec) -> None:
+    """The same for crashes whose evidence names no node (a SIGKILLed rank): the nodes both
+    attempts ran on are suspected only after a crash loop or in a wide job (the full soak of
+    seed 47 excluded a healthy node of two this way, 2,400 steps after the first crash)."""
+    held = rc.restart_held_steps
+    unnamed = Finding(kind=FindingKind.JOB_FAILED, summary="job 2 failed: connection closed")
+
+    def history(step: int, nodes: tuple[str, ...]) -> RunHistory:
+        before = past(RemedyKind.RESTART, FindingKind.JOB_FAILED, step=step, attempt_nodes=nodes)
+        return RunHistory(remedies=(before,), attempt_nodes=nodes)
+
+    far = decide(snap_at(1000 + held), [unnamed], history(1000, NODES), rc)
+    assert far.kind is RemedyKind.RESTART and "no crash loop" in far.reason
+    loop = decide(snap_at(1000 + held - 1), [unnamed], history(1000, NODES), rc)
+    assert loop.kind is RemedyKind.EXCLUDE_NODE and loop.exclude_nodes == (NODES[0],)
+    wide = tuple(f"n{i}" for i in range(1, 21))
+    r = decide(snap_at(1000 + held), [unnamed], history(1000, wide), rc)
+    assert r.kind is RemedyKind.EXCLUDE_NODE
+
+
 def test_never_excludes_a_name_that_is_not_one_of_the_attempts_nodes(rc: RecoverySpec) -> None:
     """W1: sbatch rejects `--exclude=127.0.0.1`, so every resubmission would fail."""
     f = Finding(kind=FindingKind.JOB_FAILED, summary="gloo", cause=Cause.NODE, nodes=("127.0.0.1",))
