@@ -20,6 +20,11 @@ NODE_METRICS = {
     "steps": ("counter", "steps completed by this process"),
     "step_time_seconds": ("gauge", "this node's last step wall time"),
     "step_time_window_avg_seconds": ("gauge", "mean step time over the last 16 steps"),
+    "step_gap_max_seconds": (
+        "gauge",
+        "longest wall time between two consecutive steps this process completed (saves, "
+        "evaluations and stalls between them included; the start-up before its first step not)",
+    ),
     "up": ("gauge", "1 while the training loop runs"),
     "nonfinite_grads": ("counter", "steps whose local gradients were NaN/Inf before reduction"),
 }

@@ -107,6 +107,21 @@ def read_exit_codes(job_folder: Path, job_id: str) -> list[tuple[int, int]]:
     return [(rank, code) for _, rank, code in sorted(found)]
 
 
+def finished_at(job_folder: Path, job_id: str, world_size: int) -> float | None:
+    """When the last of the attempt's `world_size` ranks exited, if every one of them exited
+    0 (finished training); None otherwise."""
+    try:
+        paths = list(Path(job_folder).glob(f"{job_id}_*_exit_code"))
+        if len(paths) != world_size:
+            return None
+        ended = [(p.stat().st_mtime, p.read_text().strip()) for p in paths]
+    except OSError:
+        return None
+    if any(code != str(exitcodes.OK) for _, code in ended):
+        return None
+    return max(t for t, _ in ended)
+
+
 def failed_exit(codes: Sequence[tuple[int, int]]) -> int | None:
     """The code of the first rank that failed, None if none did. The first failure is the
     cause, later ones its consequences (as the node task judges, `worker.ranks.node_outcome`).

@@ -325,6 +325,14 @@ class RecoverySpec(_Strict):
     straggler_ratio: float = Field(default=1.5, gt=1, description="Node step time / median.")
     hang_factor: float = Field(default=10.0, gt=1, description="× median step time.")
     hang_floor_seconds: float = Field(default=60.0, gt=0)
+    hang_gap_factor: float = Field(
+        default=3.0,
+        gt=1,
+        description="The hang limit is also at least this × the longest gap between two "
+        "steps the run has shown (saves, evaluations, stalls under load: "
+        "nightwatch_train_step_gap_max_seconds): a pause the run has already come through "
+        "is not a hang, as nvidia-resiliency-ext sizes its heartbeat timeouts.",
+    )
     checkpoint_stall_factor: float = Field(default=3.0, gt=1, description="× interval.")
     rollback_skip_steps: NonNegativeInt = Field(
         default=0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -38,8 +39,16 @@ class StepReport:
 class TrainMetrics:
     """Holds this process's series; `run_level` only on global rank 0."""
 
-    def __init__(self, run_id: str, attempt: int, node: str, run_level: bool) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        attempt: int,
+        node: str,
+        run_level: bool,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.registry = CollectorRegistry()
+        self._clock = clock
         self.run_level = run_level
         labels = {"run_id": run_id, "attempt": str(attempt), "node": node}
         self._m: dict[str, object] = {}
@@ -51,6 +60,8 @@ class TrainMetrics:
         self._losses: deque[float] = deque(maxlen=WINDOW_STEPS)
         self._norms: deque[float] = deque(maxlen=WINDOW_STEPS)
         self._times: deque[float] = deque(maxlen=WINDOW_STEPS)
+        self._last_step_wall: float | None = None
+        self._gap_max = 0.0
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint; return the bound port (port 0 → ephemeral)."""
@@ -74,8 +85,13 @@ class TrainMetrics:
 
     def on_step(self, r: StepReport) -> None:
         m = self._m
+        now = self._clock()
+        if self._last_step_wall is not None:
+            self._gap_max = max(self._gap_max, now - self._last_step_wall)
+            m["step_gap_max_seconds"].set(self._gap_max)
+        self._last_step_wall = now
         m["step"].set(r.step)
-        m["last_step_timestamp_seconds"].set(time.time())
+        m["last_step_timestamp_seconds"].set(now)
         m["steps"].inc()
         self._times.append(r.node_step_time)
         m["step_time_seconds"].set(r.node_step_time)

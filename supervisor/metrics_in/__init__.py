@@ -10,6 +10,7 @@ from supervisor.metrics_in.promql import PrometheusSource, PrometheusUnavailable
 from supervisor.metrics_in.scrape import ScrapeSource, Target
 from supervisor.metrics_in.types import (
     DARK_AFTER_S,
+    DARK_AFTER_SCRAPES,
     LossPoint,
     MetricSample,
     MetricSource,
@@ -20,6 +21,7 @@ from supervisor.metrics_in.types import (
 
 __all__ = [
     "DARK_AFTER_S",
+    "DARK_AFTER_SCRAPES",
     "LossPoint",
     "MetricSample",
     "MetricSource",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,11 @@ LAGGING_QUERY = (
 #: Scrape targets of runs that failed their latest scrape, valued by how long that scrape
 #: took (`up` and `scrape_duration_seconds` are Prometheus's own series).
 DARK_QUERY = 'scrape_duration_seconds{run_id!=""} and up{run_id!=""} == 0'
+#: How far back the first failed scrape of a failing node's current streak is looked for
+#: (`failing_since`); a streak longer than this counts from here, which only ever delays.
+FAILING_LOOKBACK_S = 60
+#: What a run id may hold to go into a label regex unescaped (the store's `r-<hex>`).
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_-]+")
 #: The furthest step the answering nodes began, only for attempts with a dark node.
 PEER_STEP_QUERY = (
     f"max by (run_id, attempt) ({STEP_ENTERED}) and on(run_id, attempt) ({DARK_QUERY})"
@@ -53,6 +59,7 @@ PEER_STEP_QUERY = (
 QUERIED_FIELDS = (
     "step",
     "last_step_ts",
+    "step_gap_max",
     "loss",
     "loss_window_max",
     "loss_window_min",
@@ -167,6 +174,37 @@ def _nodes_by_key(series: Iterable[Series], wanted: set[RunKey]) -> dict[RunKey,
         key = _key(s.labels, wanted)
         if key is not None:
             out.setdefault(key, []).append(s.labels.get("node", ""))
+    return out
+
+
+def failing_since_query(run_ids: Iterable[str]) -> str | None:
+    """The raw `up` samples of these runs' targets over FAILING_LOOKBACK_S (None: none)."""
+    plain = sorted({r for r in run_ids if _PLAIN_ID.fullmatch(r)})
+    if not plain:
+        return None
+    return f'up{{run_id=~"{"|".join(plain)}"}}[{FAILING_LOOKBACK_S}s]'
+
+
+def failing_since(
+    series: Iterable[Series], failing: Mapping[RunKey, Iterable[str]]
+) -> dict[RunKey, dict[str, float]]:
+    """Node → the scrape time of the first failure of its current streak (pure): the oldest
+    `up == 0` sample after its newest `up == 1`, for the failing nodes whose newest sample
+    failed. Timed from Prometheus's own scrapes, not from the tick that first saw them."""
+    wanted = {key: set(nodes) for key, nodes in failing.items()}
+    out: dict[RunKey, dict[str, float]] = {}
+    for s in series:
+        key = _key(s.labels, set(wanted))
+        node = s.labels.get("node", "")
+        points = sorted(s.points)
+        if key is None or node not in wanted[key] or not points or points[-1][1] != 0:
+            continue
+        first = points[-1][0]
+        for t, v in reversed(points):
+            if v != 0:
+                break
+            first = t
+        out.setdefault(key, {})[node] = first
     return out
 
 
@@ -288,16 +326,41 @@ class PrometheusSource:
             for s in peers
             if (key := _key(s.labels, wanted)) is not None and s.points
         }
-        self.history.set_dark(_failed_scrapes(dark, wanted), peer_steps, now)
+        failed = _failed_scrapes(dark, wanted)
+        first_failed = self._failing_since(failed, now)
         self._scraped_by_prometheus &= set(keys)
-        behind |= self._bridge([k for k in keys if k not in self._scraped_by_prometheus], now)
+        unseen = [k for k in keys if k not in self._scraped_by_prometheus]
+        behind |= self._bridge(unseen, now, failed, peer_steps)
+        self.history.set_dark(failed, peer_steps, now, first_failed)
         self.history.set_lagging_nodes(behind)
         self.history.forget_except(keys)
         return {k: self.history.view(k, now) for k in keys}
 
-    def _bridge(self, unseen: Sequence[RunKey], now: float) -> dict[RunKey, list[str]]:
+    def _failing_since(
+        self, failed: Mapping[RunKey, Mapping[str, float]], now: float
+    ) -> dict[RunKey, dict[str, float]]:
+        """When each failing node's streak of failed scrapes began, by Prometheus's scrape
+        times (one more query, only on ticks where a node fails; {} if it cannot be asked)."""
+        query = failing_since_query(key[0] for key in failed)
+        if query is None:
+            return {}
+        try:
+            return failing_since(self._query(query, now), failed)
+        except (httpx.HTTPError, PrometheusUnavailable, ValueError) as exc:
+            log.warning(f"prometheus query failed: {type(exc).__name__}: {exc}")
+            return {}
+
+    def _bridge(
+        self,
+        unseen: Sequence[RunKey],
+        now: float,
+        failed: dict[RunKey, dict[str, float]],
+        peer_steps: dict[RunKey, float],
+    ) -> dict[RunKey, list[str]]:
         """Scrape the attempts Prometheus has not yet; their lagging nodes (a gauge: returned
-        for this tick's set, not kept)."""
+        for this tick's set, not kept). Their nodes whose direct scrape failed, and those
+        nodes' peers' furthest step, go into `failed` and `peer_steps`: a host that froze
+        before Prometheus scraped its attempt is seen failing all the same."""
         if self.bridge is None or not unseen:
             return {}
         behind: dict[RunKey, list[str]] = {}
@@ -306,6 +369,10 @@ class PrometheusSource:
                 self.history.add(key, view.samples[-1])
                 self.history.add_nonfinite_nodes(key, view.nonfinite_grad_nodes)
                 behind[key] = list(view.lagging_nodes)
+            if key in self.bridge.failing:
+                failed[key] = {**self.bridge.failing[key], **failed.get(key, {})}
+                if key in self.bridge.peer_steps:
+                    peer_steps.setdefault(key, self.bridge.peer_steps[key])
         return behind
 
 

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from contracts.metric_names import exposed
 from supervisor.metrics_in.types import (
-    DARK_AFTER_S,
     MetricSample,
     MetricsView,
     RunKey,
     SourceHealth,
+    dark_after,
 )
 
 #: MetricSample field → exposed sample name (docs/contracts.md, "Metrics").
 RUN_FIELDS: dict[str, str] = {
     "step": exposed("step"),
     "last_step_ts": exposed("last_step_timestamp_seconds"),
+    "step_gap_max": exposed("step_gap_max_seconds"),
     "steps_total": exposed("steps"),
     "target_steps": exposed("target_steps"),
     "loss": exposed("loss"),
@@ -75,6 +78,9 @@ def build_sample(
             fields[field] = value
     return MetricSample(t=t, step_time=dict(step_time), **fields)
 
+
+#: Samples whose gaps make a key's scrape interval (`SampleHistory.scrape_interval`).
+SCRAPE_INTERVAL_SAMPLES = 16
 
 #: Earlier attempts' samples kept per run as a fresh attempt's loss baseline.
 PRIOR_SAMPLES = 256
@@ -137,15 +143,18 @@ class SampleHistory:
         failing: Mapping[RunKey, Mapping[str, float]],
         peer_steps: Mapping[RunKey, float],
         now: float,
+        first_failed: Mapping[RunKey, Mapping[str, float]] | None = None,
     ) -> None:
         """The nodes whose endpoint failed at this answer, with how long that scrape took
-        (failing from the first answer that showed it so until one shows it answering), and
-        the furthest step the answering nodes of such an attempt had begun (steady from the
-        first answer with that value)."""
+        (failing from the first answer that showed it so, or from `first_failed`, the
+        source's time of the streak's first failed scrape, until one shows it answering),
+        and the furthest step the answering nodes of such an attempt had begun (steady from
+        the first answer with that value)."""
         since: dict[RunKey, dict[str, float]] = {}
         for key, nodes in failing.items():
             seen = self._dark_since.get(key, {})
-            since[key] = {n: seen.get(n, now) for n in nodes}
+            first = (first_failed or {}).get(key, {})
+            since[key] = {n: min(seen.get(n, now), first.get(n, now)) for n in nodes}
         self._dark_since = {k: v for k, v in since.items() if v}
         self._refused = {
             key: frozenset(n for n, s in nodes.items() if s < REFUSED_WITHIN_S)
@@ -159,17 +168,30 @@ class SampleHistory:
 
     def _dark(self, key: RunKey, now: float) -> dict[str, Any]:
         """The view's nodes failing their scrapes: dark or exited once they have for
-        DARK_AFTER_S, failing before; and how long their peers stood still."""
+        `dark_after` of the key's scrape interval, failing before; and how long their peers
+        stood still."""
         since = self._dark_since.get(key, {})
-        settled = {n for n, t in since.items() if now - t >= DARK_AFTER_S}
+        after = dark_after(self.scrape_interval(key))
+        settled = {n for n, t in since.items() if now - t >= after}
         refused = self._refused.get(key, frozenset())
         peer = self._peer_step.get(key)
+        pending = [t + after for n, t in since.items() if n not in settled]
         return {
             "dark_nodes": tuple(sorted(settled - refused)),
             "exited_nodes": tuple(sorted(settled & refused)),
             "failing_nodes": tuple(sorted(set(since) - settled)),
             "peers_steady_s": now - peer[1] if settled and peer else None,
+            "dark_after_s": after,
+            "dark_settles_at": min(pending, default=None),
         }
+
+    def scrape_interval(self, key: RunKey) -> float | None:
+        """The median gap between the key's last SCRAPE_INTERVAL_SAMPLES samples."""
+        buf = self._samples.get(key)
+        if not buf or len(buf) < 2:
+            return None
+        recent = list(buf)[-SCRAPE_INTERVAL_SAMPLES:]
+        return statistics.median(b.t - a.t for a, b in itertools.pairwise(recent))
 
     def view(self, key: RunKey, now: float, health: SourceHealth = SourceHealth.UP) -> MetricsView:
         """The key's window; UP only when the source answered and its newest sample is fresh."""

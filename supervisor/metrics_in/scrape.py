@@ -74,6 +74,11 @@ class ScrapeSource:
         self.history = SampleHistory(window_s, stale_after_s)
         self._client = client or httpx.Client(timeout=timeout_s)
         self._parallel = parallel
+        #: The last collect's failed scrapes (node → seconds the scrape took) and the furthest
+        #: step their answering peers began, per attempt with a failing node: what a
+        #: PrometheusSource bridging an attempt merges into its own dark-node record.
+        self.failing: dict[RunKey, dict[str, float]] = {}
+        self.peer_steps: dict[RunKey, float] = {}
 
     def close(self) -> None:
         self._client.close()
@@ -133,6 +138,7 @@ class ScrapeSource:
                 behind[key] = [node for node, step in entered.items() if step < furthest]
         self.history.set_lagging_nodes(behind)
         self.history.set_dark(dark, peer_steps, now)
+        self.failing, self.peer_steps = dark, peer_steps
         self.history.forget_except(keys)
         return {
             k: self.history.view(k, now, SourceHealth.DOWN if k in failed else SourceHealth.UP)

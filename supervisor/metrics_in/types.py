@@ -13,9 +13,12 @@ from typing import Protocol
 
 RunKey = tuple[str, int]  # (run_id, attempt)
 
-#: A node's endpoint must fail every scrape this long before it counts as dark: one
-#: timed-out scrape of a busy exporter is not a dead host.
-DARK_AFTER_S = 5.0
+#: A node's endpoint must fail every scrape for DARK_AFTER_SCRAPES scrape intervals (the
+#: median gap between the attempt's samples), and at least DARK_AFTER_S, before it counts
+#: as dark: one timed-out scrape of a busy exporter is not a dead host, and a fixed time
+#: would be many scrapes at a fast interval and less than one at a slow one.
+DARK_AFTER_SCRAPES = 2
+DARK_AFTER_S = 2.0
 
 
 class SourceHealth(enum.StrEnum):
@@ -45,6 +48,8 @@ class MetricSample:
     tokens_per_second: float | None = None
     samples_consumed: int | None = None
     last_step_ts: float | None = None
+    #: The longest gap between two consecutive steps the primary's process has shown.
+    step_gap_max: float | None = None
     target_steps: int | None = None
     checkpoint_step: int | None = None
     checkpoint_ts: float | None = None
@@ -80,15 +85,19 @@ class MetricsView:
     #: (`nightwatch_train_step_entered`). While steps complete this is scrape skew; in a hang
     #: it is the node that never began the step its peers wait in.
     lagging_nodes: tuple[str, ...] = ()
-    #: Nodes whose metrics endpoint has failed every scrape for DARK_AFTER_S or longer while
+    #: Nodes whose metrics endpoint has failed every scrape for `dark_after_s` or longer while
     #: the attempt's other nodes answered, and whose host answered nothing: a frozen, dead or
     #: cut-off host.
     dark_nodes: tuple[str, ...] = ()
     #: Such nodes whose host refused the connection: it is up, its training processes are
     #: gone (a crashed rank takes its node's exporter with it when its local peers fail).
     exited_nodes: tuple[str, ...] = ()
-    #: Nodes failing their scrapes for less than DARK_AFTER_S: not yet known dark or exited.
+    #: Nodes failing their scrapes, not yet long enough to be known dark or exited.
     failing_nodes: tuple[str, ...] = ()
+    #: How long a node must fail every scrape to count as dark (`dark_after`), and when
+    #: (wall clock) the first of `failing_nodes` will have, if it goes on failing.
+    dark_after_s: float = DARK_AFTER_S
+    dark_settles_at: float | None = None
     #: While a node is dark or exited: seconds since the furthest step the answering nodes
     #: had begun last changed (they wait in its collective; progress clears the node).
     peers_steady_s: float | None = None
@@ -115,3 +124,10 @@ class MetricSource(Protocol):
     name: str
 
     def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]: ...
+
+
+def dark_after(scrape_interval_s: float | None) -> float:
+    """How long a node must fail every scrape before it counts as dark (pure)."""
+    if not scrape_interval_s or scrape_interval_s <= 0:
+        return DARK_AFTER_S
+    return max(DARK_AFTER_S, DARK_AFTER_SCRAPES * scrape_interval_s)

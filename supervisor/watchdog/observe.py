@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, defer
 
+from contracts import exitcodes
 from contracts.anomalies import Anomaly, ledger_path
 from contracts.anomalies import parse as parse_anomalies
 from contracts.checkpoints import (
@@ -32,7 +33,13 @@ from contracts.checkpoints import (
     read_save_timing,
 )
 from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
-from contracts.restart import failed_exit, job_control_dir, read_exit_codes, read_order
+from contracts.restart import (
+    failed_exit,
+    finished_at,
+    job_control_dir,
+    read_exit_codes,
+    read_order,
+)
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
@@ -66,6 +73,9 @@ from supervisor.watchdog.snapshot import (
 log = logging.getLogger("nightwatch.watchdog")
 
 #: Actions resumed from their intent after a crash (cancel / complete are re-derived each tick).
+#: How long SLURM may go on running a job whose ranks all finished before the attempt counts
+#: as COMPLETED anyway (`Observer.ranks_ended`): a job ends a second or two after its ranks.
+LINGER_S = 10.0
 RESUMABLE = [ActionKind.SUBMIT.value] + [k.value for k in RemedyKind if k is not RemedyKind.NONE]
 
 
@@ -233,11 +243,16 @@ class Observer:
         return cached[1]
 
     def ranks_ended(
-        self, run: Run, attempt: Attempt, status: JobStatus | None, spec: RunSpec
+        self, run: Run, attempt: Attempt, status: JobStatus | None, spec: RunSpec, now: float
     ) -> JobStatus | None:
         """The attempt as its ranks left it: with restarts inside the job, a job's node tasks
         outlive ranks that failed (they wait for a restart order), so SLURM still says
-        RUNNING; the ranks' exit codes in the attempt's folder say the attempt failed."""
+        RUNNING; the ranks' exit codes in the attempt's folder say the attempt failed.
+
+        A job whose ranks all finished and that SLURM still runs LINGER_S after the last of
+        them is held by a node it cannot reach: a job that holds spares runs `--no-kill`, and
+        when the dead node was its batch host, the batch script never ends. The attempt is
+        then COMPLETED (the run is done and its job is cancelled as a stray)."""
         if (
             status is None
             or status.state is not JobState.RUNNING
@@ -246,6 +261,14 @@ class Observer:
         ):
             return status
         folder = attempt_log_dir(self.home, run.id, attempt.number) / attempt.job_id
+        finished = finished_at(folder, attempt.job_id, spec.resources.world_size)
+        if finished is not None and spec.resources.spare_nodes and now - finished >= LINGER_S:
+            return dataclasses.replace(
+                status,
+                state=JobState.COMPLETED,
+                exit_code=exitcodes.OK,
+                reason=f"every rank finished {now - finished:.0f} s ago; the job lingers",
+            )
         code = failed_exit(read_exit_codes(folder, attempt.job_id))
         if code is None:
             return status

@@ -42,7 +42,7 @@ from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobState, SourceUnavailable, make_cluster
 from supervisor.watchdog import policy, strays
 from supervisor.watchdog.actions import ActContext, ActionKind, Actuator, ActuatorConfig
-from supervisor.watchdog.detectors import contained, detect_all, hang_due, unremedied_spikes
+from supervisor.watchdog.detectors import contained, detect_all, unremedied_spikes, verdict_due
 from supervisor.watchdog.lease import Deposed, LeaseGuard
 from supervisor.watchdog.ledger import Ledger
 from supervisor.watchdog.notify import Notifier
@@ -168,8 +168,8 @@ class Reconciler:
         self._nodes_listed_at = -NODE_LIST_EVERY_S  # monotonic: list them at the first tick
         #: The evidence files of the runs the last tick reconciled (`Observer.evidence_files`).
         self._evidence: set[Path] = set()
-        #: The soonest hang verdict the last tick saw coming (`hang_due`, wall clock), if any.
-        self._hang_due: float | None = None
+        #: The soonest verdict the last tick saw coming (`verdict_due`, wall clock), if any.
+        self._verdict_due: float | None = None
 
     # ------------------------------------------------------------------ loop
 
@@ -195,28 +195,28 @@ class Reconciler:
             except Exception:  # one bad tick must not kill the supervisor
                 log.exception("tick failed")
             watched = {p: seen[p] if p in seen else file_stamp(p) for p in self._evidence}
-            hang = None
-            if self._hang_due is not None:
-                hang = time.monotonic() + self._hang_due - time.time()
-            self.wait_for_next_tick(started, time.monotonic() - started, watched, hang)
+            verdict = None
+            if self._verdict_due is not None:
+                verdict = time.monotonic() + self._verdict_due - time.time()
+            self.wait_for_next_tick(started, time.monotonic() - started, watched, verdict)
 
     def wait_for_next_tick(
         self,
         started: float,
         took: float,
         watched: dict[Path, Stamp],
-        hang_due: float | None = None,
+        verdict_due: float | None = None,
     ) -> bool:
         """Until the next tick is due, or earlier once a watched file changed from its stamp
-        (a bad step recorded, a rank's exit code written), or at `hang_due` (monotonic) when
-        a hang verdict becomes possible then: the fault is acted on in a fraction of a second
-        instead of up to a tick later. An early tick starts no sooner than the last one's
-        duration after it ended, so the loop is never more than half busy. True when woken
-        early (or stopped)."""
+        (a bad step recorded, a rank's exit code written), or at `verdict_due` (monotonic)
+        when a hang or straggler verdict may become possible then: the fault is acted on in
+        a fraction of a second instead of up to a tick later. An early tick starts no sooner
+        than the last one's duration after it ended, so the loop is never more than half
+        busy. True when woken early (or stopped)."""
         due = started + self.config.tick_seconds
         soonest = started + 2 * took
-        if hang_due is not None and hang_due > soonest:
-            due = min(due, hang_due)
+        if verdict_due is not None:
+            due = min(due, max(verdict_due, soonest))
         while True:
             now = time.monotonic()
             if now >= due:
@@ -231,7 +231,7 @@ class Reconciler:
         cpu_started = time.process_time()
         now = self.clock()
         self._evidence = set()
-        self._hang_due = None
+        self._verdict_due = None
         result = TickResult(leader=self.lease.acquire())
         if not result.leader:
             return result
@@ -340,7 +340,7 @@ class Reconciler:
         active_job = status is None or status.state is JobState.UNKNOWN or status.state.active
         job_running = status is not None and status.state is JobState.RUNNING
         if attempt is not None:
-            status = self.observer.ranks_ended(run, attempt, status, spec)
+            status = self.observer.ranks_ended(run, attempt, status, spec, now)
             self._evidence.update(self.observer.evidence_files(run, attempt, spec))
         if run.cancel_requested:
             self.actuator.cancel_run(
@@ -432,10 +432,10 @@ class Reconciler:
             result.progress[run.id] = seen
         # detect
         findings = detect_all(snap, spec.recovery)
+        due = verdict_due(snap, spec.recovery)
+        if due is not None and due > now:
+            self._verdict_due = min(due, self._verdict_due or due)
         if not findings:
-            due = hang_due(snap, spec.recovery)
-            if due is not None and due > now:
-                self._hang_due = min(due, self._hang_due or due)
             return Outcome()
         result.findings[run.id] = findings
         # decide

@@ -27,7 +27,10 @@ from supervisor.watchdog.detectors import (
     detect_throughput_drop,
     hang_due,
     startup_limit,
+    straggler_due,
+    verdict_due,
 )
+from supervisor.watchdog.detectors.progress import STARTUP_MIN_S, scrape_interval, unseen_host_s
 from supervisor.watchdog.policy import rollback_target
 from supervisor.watchdog.snapshot import Cause, CheckpointRef, FindingKind, RunHistory
 
@@ -212,17 +215,92 @@ def test_hang_uses_median_step_time_with_a_floor(rc: RecoverySpec) -> None:
 
 def test_hang_due_is_the_limit_after_the_last_step_and_one_scrape(rc: RecoverySpec) -> None:
     """The reconciler ticks at `hang_due`: by then a sample shows the stillness past the
-    limit, and none before the limit does."""
+    limit (a hang on a node that never began the step is judged then), and none before the
+    limit does. A hang that names no node waits two scrapes more, for a frozen host's first
+    timed-out scrape; the loop keeps looking a scrape apart until a verdict could come."""
     fast = simulate(7, steps=1000, faults=Faults(hang_at=90), step_seconds=0.1)
     hung_at = fast[-1].last_step_ts
     assert hung_at is not None
     scrape = 2 * 0.1  # simulate's default: a sample every 2 steps of 0.1 s
     due = hang_due(snapshot(upto(fast, hung_at + 1)), rc)
     assert due == pytest.approx(hung_at + 60 + scrape)  # the 60 s floor (10 × 0.1 s is less)
-    convicting = [x.t for x in fast if x.t > hung_at and detect_hang(snapshot(upto(fast, x.t)), rc)]
-    assert hung_at + 60 < convicting[0] <= due
+
+    def convicting(**named: tuple[str, ...]) -> float:
+        return next(
+            x.t
+            for x in fast
+            if x.t > hung_at and detect_hang(snapshot(upto(fast, x.t), **named), rc)
+        )
+
+    assert hung_at + 60 < convicting(lagging_nodes=("n3",)) <= due
+    assert hung_at + 60 + 2 * scrape < convicting() <= due + 2 * scrape
+    # Past due with no verdict (the sample showing it not in yet, an unnamed hang): a scrape
+    # from now, while a failing node could still show and settle; after that nothing comes.
+    late = snapshot(upto(fast, hung_at + 1), now=due + 1)
+    assert hang_due(late, rc) == pytest.approx(due + 1 + scrape)
+    blind = snapshot(upto(fast, hung_at + 1), now=due + 2 * scrape + DARK_AFTER_S)
+    assert hang_due(blind, rc) is None
     done = snapshot(upto(fast, hung_at + 1), job_state=AttemptState.COMPLETED)
     assert hang_due(done, rc) is None and hang_due(snapshot([]), rc) is None
+
+
+def test_the_hang_limit_stays_above_the_longest_gap_the_run_has_shown(rc: RecoverySpec) -> None:
+    """With a small floor, the run's own gaps between steps (`step_gap_max`, this attempt's
+    or an earlier one's) set the limit: a pause the run came through is not a hang, and a
+    hang is judged at hang_gap_factor × the longest, no later."""
+    small = rc.model_copy(update={"hang_floor_seconds": 1.5})
+    fast = simulate(7, steps=1000, faults=Faults(hang_at=90), step_seconds=0.1)
+    hung_at = fast[-1].last_step_ts
+    assert hung_at is not None
+
+    def hang(
+        samples: list[MetricSample], after: float, prior: list[MetricSample] | None = None
+    ) -> list:
+        snap = snapshot(upto(samples, hung_at + after), lagging_nodes=("n3",), prior=prior)
+        return detect_hang(snap, small)
+
+    # No gap known: the 1.5 s floor (10 × the ~0.1 s step is less).
+    assert hang(fast, 1.3) == []
+    (f,) = hang(fast, 2)
+    assert f.evidence["limit_seconds"] == 1.5 and f.evidence["longest_gap_seen"] is None
+    gap = 2.0
+    limit = small.hang_gap_factor * gap
+    gapped = [dataclasses.replace(x, step_gap_max=gap) for x in fast]
+    assert hang(gapped, limit - 0.5) == []
+    (f,) = hang(gapped, limit + 0.5)
+    assert f.evidence["limit_seconds"] == limit and f.evidence["longest_gap_seen"] == gap
+    # An earlier attempt's gap counts as much; a gap not yet measured (NaN, 0) does not.
+    earlier = [dataclasses.replace(x, step_gap_max=gap) for x in fast[:5]]
+    assert hang(fast, limit - 0.5, prior=earlier) == []
+    unknown = [
+        dataclasses.replace(x, step_gap_max=math.nan if i % 2 else 0.0) for i, x in enumerate(fast)
+    ]
+    assert hang(unknown, 2) != []
+    due = hang_due(snapshot(upto(gapped, hung_at + 0.5)), small)
+    assert due == pytest.approx(hung_at + limit + 2 * 0.1)
+
+
+def test_hang_due_waits_for_a_failing_node_to_settle(rc: RecoverySpec) -> None:
+    """While one of the job's nodes fails its scrapes, the verdict waits for it to settle as
+    dark (or for the limit + the dark time to pass): the tick is due then, not before."""
+    fast = simulate(7, steps=1000, faults=Faults(hang_at=90), step_seconds=0.1)
+    hung_at = fast[-1].last_step_ts
+    assert hung_at is not None
+    snap = snapshot(upto(fast, hung_at + 1), failing_nodes=("n2",))
+    plain = hang_due(snapshot(upto(fast, hung_at + 1)), rc)
+    assert plain is not None
+    later = dataclasses.replace(
+        snap, metrics=dataclasses.replace(snap.metrics, dark_settles_at=plain + 3)
+    )
+    assert hang_due(later, rc) == plain + 3
+    sooner = dataclasses.replace(
+        snap, metrics=dataclasses.replace(snap.metrics, dark_settles_at=plain - 3)
+    )
+    assert hang_due(sooner, rc) == plain
+    other = dataclasses.replace(
+        later, metrics=dataclasses.replace(later.metrics, failing_nodes=("n9",))
+    )
+    assert hang_due(other, rc) == plain  # not one of the job's nodes
 
 
 def test_a_hang_is_seen_not_assumed_across_a_blind_spot(rc: RecoverySpec) -> None:
@@ -299,12 +377,18 @@ def test_hang_waits_for_a_failing_node_and_blames_no_one_for_exited_processes(
     (plain,) = detect_hang(snapshot(samples), rc)
     assert plain.nodes == ()
     limit, onset = plain.evidence["limit_seconds"], plain.fault_time
-    soon = upto(samples, onset + limit + DARK_AFTER_S / 2)
+    unseen = unseen_host_s(samples)
+    assert unseen > 0
+    # Named by no node: not before a frozen host's first failed scrape could have shown.
+    early = upto(samples, onset + limit + unseen / 2)
+    assert detect_hang(snapshot(early), rc) == []
+    assert detect_hang(snapshot(early, lagging_nodes=("n2",)), rc) != []
+    soon = upto(samples, onset + limit + unseen + DARK_AFTER_S / 2)
     assert detect_hang(snapshot(soon), rc) != []
     assert detect_hang(snapshot(soon, failing_nodes=("n2",)), rc) == []
     assert detect_hang(snapshot(soon, failing_nodes=("n9",)), rc) != []  # not the job's
     # A node whose failures never settle (a flapping endpoint) holds it off DARK_AFTER_S only.
-    late = upto(samples, onset + limit + DARK_AFTER_S + 1)
+    late = upto(samples, onset + limit + unseen + DARK_AFTER_S + 1)
     assert detect_hang(snapshot(late, failing_nodes=("n2",)), rc) != []
     stale = snapshot(samples, health=SourceHealth.STALE, exited_nodes=("n1",), peers_steady_s=limit)
     (f,) = detect_hang(stale, rc)
@@ -429,6 +513,10 @@ def test_by_step_dedupes_repeated_scrapes_and_restarts(rc: RecoverySpec) -> None
 def test_startup_limit_learns_from_the_runs_startups_within_bounds(rc: RecoverySpec) -> None:
     floor = rc.hang_floor_seconds
     assert startup_limit(rc, None) == 10 * floor  # nothing seen yet: conservative
+    # A floor sized for fast steps still gives a first start-up a minute.
+    small = rc.model_copy(update={"hang_floor_seconds": 1.0})
+    assert startup_limit(small, None) == STARTUP_MIN_S
+    assert startup_limit(small, 11.0) == 33.0
     assert startup_limit(rc, 1.0) == 2 * floor  # never below two floors
     assert startup_limit(rc, floor) == 3 * floor  # 3 × the slowest startup seen
     assert startup_limit(rc, 100 * floor) == 10 * floor  # never above the default
@@ -662,3 +750,17 @@ def test_spike_between_scrapes_further_apart_than_the_window_is_found(
         assert lo <= 200 * GLOBAL_BATCH < 204 * GLOBAL_BATCH < hi
         clean = simulate(seed, steps=400, steps_per_sample=steps_per_sample)
         assert detect_loss_spike(snapshot(clean), rc) == [], seed
+
+
+def test_straggler_due_a_scrape_later_while_a_node_shows_slow(rc: RecoverySpec) -> None:
+    """A straggler verdict needs k samples in a row: while the newest shows a slow node, the
+    loop looks again at the next scrape; a healthy sample asks for nothing."""
+    samples = simulate(3, steps=40, steps_per_sample=2)
+    healthy = snapshot(samples)
+    assert straggler_due(healthy, rc) is None
+    slow = [*samples[:-1], dataclasses.replace(samples[-1], step_time={"n1": 1.0, "n2": 3.0})]
+    snap = snapshot(slow)
+    scrape = scrape_interval(slow)
+    assert straggler_due(snap, rc) == pytest.approx(snap.now + scrape)
+    assert verdict_due(snap, rc) == pytest.approx(snap.now + scrape)  # sooner than hang_due
+    assert verdict_due(healthy, rc) == hang_due(healthy, rc)

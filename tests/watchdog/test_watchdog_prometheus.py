@@ -14,6 +14,7 @@ from prom_harness import Exporter, PrometheusServer
 from contracts.spec import RecoverySpec
 from supervisor.metrics_in import (
     DARK_AFTER_S,
+    DARK_AFTER_SCRAPES,
     MetricSample,
     MetricsView,
     PrometheusSource,
@@ -22,7 +23,14 @@ from supervisor.metrics_in import (
     SourceHealth,
     Target,
 )
-from supervisor.metrics_in.promql import QUERIED_FIELDS, assemble, parse_series
+from supervisor.metrics_in.promql import (
+    QUERIED_FIELDS,
+    Series,
+    assemble,
+    failing_since,
+    failing_since_query,
+    parse_series,
+)
 from supervisor.metrics_in.samples import REFUSED_WITHIN_S, SampleHistory
 from supervisor.models import AttemptState
 from supervisor.watchdog.detectors import detect_all, detect_nonfinite
@@ -277,12 +285,20 @@ def test_attempt_not_yet_in_prometheus_is_bridged_by_direct_scrapes(
             prometheus.wait_for_series('nightwatch_train_step{attempt="2"}', count=2)
             time.sleep(1.5)
             seen = seeing.collect([("r1", 2)], time.time())[("r1", 2)]
+            assert seen.health is SourceHealth.UP and not lookups  # Prometheus had it
+            # A host that froze before Prometheus scraped its attempt: failing from the
+            # direct scrape, dark once it has failed long enough (the clock is passed in).
+            e2.freeze()
+            now = time.time()
+            failing = bridged.collect([("r1", 2)], now)[("r1", 2)]
+            dark = bridged.collect([("r1", 2)], now + 15)[("r1", 2)]
     finally:
         blind.stop()
     assert view.health is SourceHealth.UP and len(view.samples) == 2
     first, second = view.samples
     assert first.step < second.step and set(second.step_time) == {"n1", "n2"}  # type: ignore[operator]
-    assert seen.health is SourceHealth.UP and not lookups  # Prometheus had it: no scrape
+    assert failing.failing_nodes == ("n2",) and failing.dark_nodes == ()
+    assert dark.dark_nodes == ("n2",) and dark.peers_steady_s is not None
 
 
 def test_scrape_source_reads_endpoints_names_dark_nodes_and_fails_down(
@@ -306,17 +322,20 @@ def test_scrape_source_reads_endpoints_names_dark_nodes_and_fails_down(
     assert set(latest.step_time) == {"n1", "n2"}
     assert second.samples[0].step < latest.step  # type: ignore[operator]
     # n2's host freezes: the primary's values still come, n2 is dark once it has failed
-    # every scrape for DARK_AFTER_S (the view's clock is passed in, not slept).
+    # every scrape for its dark time (the view's clock is passed in, not slept).
     e2.freeze()
     now = time.time()
     view = source.collect([R1], now)[R1]
     assert view.health is SourceHealth.UP and view.dark_nodes == ()
     assert view.failing_nodes == ("n2",)
-    later = source.collect([R1], now + DARK_AFTER_S)[R1]
+    # The frozen host's scrapes take their 2 s timeout, which widens the scrape interval
+    # and so the dark time (2 intervals): 15 s is past it, short of staleness (30 s).
+    later = source.collect([R1], now + 15)[R1]
+    assert later.dark_after_s < 15
     assert later.dark_nodes == ("n2",) and later.peers_steady_s is not None
     # n2's processes exit instead: its host refuses the scrape, and n2 is exited, not dark.
     e2.stop()
-    gone = source.collect([R1], now + DARK_AFTER_S + 1)[R1]
+    gone = source.collect([R1], now + 16)[R1]
     assert gone.exited_nodes == ("n2",) and gone.dark_nodes == ()
     e1.stop()
     down = source.collect([R1], time.time())[R1]
@@ -472,6 +491,26 @@ def test_history_keeps_a_node_dark_until_it_answers_and_times_its_peers_stillnes
     assert history.view(R1, 144.0).dark_nodes == ()
 
 
+def test_a_node_is_dark_after_two_of_its_scrape_intervals() -> None:
+    """Dark after DARK_AFTER_SCRAPES scrape intervals (the median gap between the attempt's
+    samples), at least DARK_AFTER_S: a fixed 5 s was five failed scrapes at 1 s, while at a
+    15 s interval one timed-out scrape of a busy exporter made a host dark. The view says
+    when the failing node will settle (the reconciler's tick is due then)."""
+    for interval in (1.0, 15.0):
+        history = SampleHistory(window_s=600, stale_after_s=300)
+        for i in range(10):
+            history.add(R1, MetricSample(t=100.0 + i * interval, step=i, last_step_ts=100.0))
+        start = 100.0 + 10 * interval
+        history.set_dark({R1: {"n1": 1.0}}, {R1: 9}, now=start)
+        after = max(DARK_AFTER_S, DARK_AFTER_SCRAPES * interval)
+        assert after == (DARK_AFTER_S if interval == 1.0 else 30.0)
+        failing = history.view(R1, start + after - 0.01)
+        assert failing.failing_nodes == ("n1",) and failing.dark_nodes == ()
+        assert failing.dark_after_s == after and failing.dark_settles_at == start + after
+        settled = history.view(R1, start + after)
+        assert settled.dark_nodes == ("n1",) and settled.dark_settles_at is None
+
+
 def test_history_tells_a_refused_endpoint_from_a_silent_host() -> None:
     """A scrape refused within REFUSED_WITHIN_S: the host is up and its processes are gone
     (exited), not dark; the node whose scrape timed out beside it is dark."""
@@ -542,6 +581,41 @@ def test_prometheus_source_blames_a_host_gone_dark_while_its_peers_wait(
     remedy = decide(snap, [hang], RunHistory(), rc)
     assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == ("n1",)
     print(f"\nhang on a dark node found {found_s:.1f} s after its peers stood still")
+
+
+def test_prometheus_source_times_a_failing_node_from_its_first_failed_scrape(
+    labelled_prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
+) -> None:
+    """A node's failing streak counts from Prometheus's first failed scrape of it, not from
+    the tick that first saw it: the first tick 5 s after the freeze finds n1 already dark
+    (2 scrape intervals of 1 s), where counting from that tick would wait 2 s more."""
+    e1, _ = exporters
+    with FakeTrainer(*exporters):
+        source = _watching_up(labelled_prometheus)
+        e1.freeze()
+        time.sleep(5.0)
+        view = source.collect([R1], time.time())[R1]
+    assert view.dark_nodes == ("n1",) and view.failing_nodes == ()
+    assert view.dark_after_s == DARK_AFTER_S
+
+
+def test_failing_since_is_the_first_failed_scrape_of_the_current_streak() -> None:
+    """From raw `up` samples: the oldest 0 after the newest 1; a node answering at its newest
+    scrape, or not asked about, has no streak."""
+
+    def up(run_id: str, node: str, *points: tuple[float, float]) -> Series:
+        return Series({"run_id": run_id, "attempt": "1", "node": node}, points)
+
+    series = [
+        up("r1", "n1", (10, 1), (11, 0), (12, 1), (13, 0), (14, 0)),
+        up("r1", "n2", (10, 0), (11, 0), (12, 1)),
+        up("r1", "n3", (12, 0), (13, 0)),
+        up("r2", "n1", (12, 0)),
+    ]
+    failing = {R1: ("n1", "n2", "n3")}
+    assert failing_since(series, failing) == {R1: {"n1": 13, "n3": 12}}
+    assert failing_since_query(["r1", "r-0a"]) == 'up{run_id=~"r-0a|r1"}[60s]'
+    assert failing_since_query(['r1"} or vector(1) #']) is None  # never into PromQL
 
 
 def test_prometheus_source_restarts_a_hang_whose_node_processes_exited(

@@ -6,6 +6,7 @@ tests/launcher/test_cluster_restart_in_job.py."""
 from __future__ import annotations
 
 import copy
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from supervisor.db import Database
 from supervisor.models import Action, ActionState, Attempt, AttemptState, Run, RunState
 from supervisor.slurm import JobState, JobStatus
 from supervisor.watchdog import actions
+from supervisor.watchdog.observe import LINGER_S
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 from supervisor.watchdog.snapshot import FindingKind, RemedyKind
 
@@ -232,3 +234,33 @@ def test_a_bad_node_without_a_spare_left_resubmits(db: Database, tmp_path: Path)
     assert rec.tick().remedies[run_id].kind is RemedyKind.EXCLUDE_NODE
     assert cluster.cancelled == [job] and len(cluster.submitted) == 2
     assert in_job_actions(db, run_id) == []
+
+
+def test_a_job_whose_ranks_all_finished_but_lingers_completes_the_run(
+    db: Database, tmp_path: Path
+) -> None:
+    """A job that holds spares runs --no-kill: when a dead node was its batch host, SLURM
+    runs the job on after every rank finished. A run whose ranks all exited 0 LINGER_S ago
+    is complete, and its job is cancelled as a stray; one that finished just now, or whose
+    ranks did not all exit 0, waits for SLURM."""
+    rec, cluster, _source, run_id, job = running(db, tmp_path, SPARE_SPEC, ("n1", "n2", "n3"))
+    spec = RunSpec.model_validate(SPARE_SPEC)
+    write_checkpoint(checkpoint_dir(tmp_path / "home", run_id, spec), 300, 2400)
+    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
+    folder.mkdir(parents=True)
+    codes = [exit_code_path(folder, job, rank) for rank in range(spec.resources.world_size)]
+    for path in codes:
+        path.write_text("0")
+    rec.tick()
+    assert get_run(db, run_id).state is RunState.RUNNING  # finished just now: SLURM ends it
+    codes[0].write_text("75")  # checkpointed on a stop signal: not finished
+    for path in codes:
+        os.utime(path, (time.time() - LINGER_S, time.time() - LINGER_S))
+    rec.tick()
+    assert get_run(db, run_id).state is RunState.RUNNING and cluster.cancelled == []
+    codes[0].write_text("0")
+    os.utime(codes[0], (time.time() - LINGER_S, time.time() - LINGER_S))
+    rec.tick()
+    assert get_run(db, run_id).state is RunState.SUCCEEDED
+    assert attempts(db, run_id)[-1].state is AttemptState.COMPLETED
+    assert cluster.cancelled == [job]

@@ -33,6 +33,7 @@ from supervisor.watchdog.detectors.progress import (
     hang_due,
     median_step_time,
     startup_limit,
+    straggler_due,
 )
 from supervisor.watchdog.detectors.state import (
     detect_checkpoint_problems,
@@ -69,6 +70,13 @@ def detect_all(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     return [f for detector in ALL_DETECTORS for f in detector(snap, rc)]
 
 
+def verdict_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
+    """The soonest time (wall clock) a verdict that needs no new file can come if the run
+    goes on as it is: a hang's (`hang_due`) or a straggler's (`straggler_due`)."""
+    due = [t for t in (hang_due(snap, rc), straggler_due(snap, rc)) if t is not None]
+    return min(due, default=None)
+
+
 __all__ = [
     "ALL_DETECTORS",
     "by_step",
@@ -91,5 +99,7 @@ __all__ = [
     "median_step_time",
     "spike_threshold",
     "startup_limit",
+    "straggler_due",
     "unremedied_spikes",
+    "verdict_due",
 ]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contracts.spec import RecoverySpec
-from supervisor.metrics_in import DARK_AFTER_S, MetricSample, SourceHealth
+from supervisor.metrics_in import MetricSample, MetricsView, SourceHealth
 from supervisor.watchdog.detectors.common import (
     MIN_BASELINE_SAMPLES,
     by_step,
@@ -54,14 +55,9 @@ def detect_straggler(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     suspects: set[str] | None = None
     ratios: dict[str, float] = {}
     for p in points[-k:]:
-        slow = set()
-        for node, t in p.step_time.items():
-            others = [v for n, v in p.step_time.items() if n != node]
-            ref = statistics.median(others)
-            if ref > 0 and t > rc.straggler_ratio * ref:
-                slow.add(node)
-                ratios[node] = t / ref
-        suspects = slow if suspects is None else suspects & slow
+        slow = slow_nodes(p.step_time, rc)
+        ratios.update(slow)
+        suspects = set(slow) if suspects is None else suspects & set(slow)
     if not suspects:
         return []
     return [
@@ -76,6 +72,29 @@ def detect_straggler(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
         )
         for node in sorted(suspects)
     ]
+
+
+def slow_nodes(step_time: Mapping[str, float], rc: RecoverySpec) -> dict[str, float]:
+    """Node → its step time / the median of the others', for the nodes above straggler_ratio."""
+    slow = {}
+    for node, t in step_time.items():
+        ref = statistics.median(v for n, v in step_time.items() if n != node)
+        if ref > 0 and t > rc.straggler_ratio * ref:
+            slow[node] = t / ref
+    return slow
+
+
+def straggler_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
+    """When the next sample can add to a straggler verdict (a scrape interval from now),
+    while the newest already shows a slow node; None otherwise. The verdict needs k samples
+    in a row, and the loop looks at each as it comes instead of at its next tick."""
+    if not metrics_ok(snap):
+        return None
+    latest = snap.metrics.samples[-1]
+    if len(latest.step_time) < 2 or not slow_nodes(latest.step_time, rc):
+        return None
+    scrape = scrape_interval(snap.metrics.samples)
+    return snap.now + scrape if scrape > 0 else None
 
 
 def median_step_time(samples: Sequence[MetricSample]) -> float | None:
@@ -93,9 +112,12 @@ def median_step_time(samples: Sequence[MetricSample]) -> float | None:
 
 
 #: A job may take this many hang floors from start to its first step (imports, rendezvous,
-#: checkpoint load) before it counts as hung at startup, unless the run has shown how long
-#: its startups take: then STARTUP_MARGIN × the slowest one, at least two floors.
+#: checkpoint load), and at least STARTUP_MIN_S, before it counts as hung at startup, unless
+#: the run has shown how long its startups take: then STARTUP_MARGIN × the slowest one, at
+#: least two floors. The minimum keeps a floor sized for steps (seconds) off the first
+#: start-up, whose imports alone take tens of seconds on a loaded machine.
 STARTUP_FLOORS = 10
+STARTUP_MIN_S = 60.0
 
 
 STARTUP_MARGIN = 3.0
@@ -103,7 +125,7 @@ STARTUP_MARGIN = 3.0
 
 def startup_limit(rc: RecoverySpec, seen: float | None) -> float:
     """Seconds from start to first step before a job counts as hung at startup."""
-    default = STARTUP_FLOORS * rc.hang_floor_seconds
+    default = max(STARTUP_FLOORS * rc.hang_floor_seconds, STARTUP_MIN_S)
     if seen is None or seen <= 0:
         return default
     return min(default, max(2 * rc.hang_floor_seconds, STARTUP_MARGIN * seen))
@@ -140,7 +162,7 @@ def detect_startup_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
 
 
 def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
-    """No step finished for max(hang_factor × median step time, floor) while the job runs.
+    """No step finished for the hang limit (`hang_limit`) while the job runs.
 
     Every rank stalls in the collective, so the job's nodes (in the evidence) say nothing
     about which one hung; the node that never began the step does (`hung_nodes`), and so
@@ -152,10 +174,12 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     will never end. That hang names nobody, and the cure is a restart.
 
     A silent node may be the one exporting the run's metrics, whose view then goes STALE:
-    with the peers' stillness as evidence that is still a hang, not a blind spot. While a
-    node fails its scrapes but not yet for DARK_AFTER_S, the verdict waits for it (at most that
-    long: a flapping endpoint that never settles must not hold it off): judged earlier, a
-    frozen host would be a hang that names nobody.
+    with the peers' stillness as evidence that is still a hang, not a blind spot. A frozen
+    host shows only once a scrape of it times out, so a hang that names no node waits
+    `unseen_host_s` past the limit; while a node fails its scrapes but not yet for the
+    view's `dark_after_s`, the verdict waits that much longer for it (no more: a flapping
+    endpoint that never settles must not hold it off). Judged earlier, a frozen host would be
+    a hang that names nobody, restarted in place, where the job hangs on it again.
 
     Otherwise the stillness must be seen, not assumed: it counts up to the newest sample, not
     to now. After a blind spot (Prometheus restarted, its first scrapes not yet in) the newest
@@ -167,21 +191,30 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     if latest.last_step_ts is None or latest.last_step_ts <= 0 or latest.up == 0:
         return []
     typical = median_step_time(snap.metrics.samples)
-    limit = hang_limit(typical, rc)
+    gap = longest_gap(snap.metrics)
+    limit = hang_limit(typical, rc, gap)
     dark = silent_hung_nodes(snap, snap.metrics.dark_nodes, limit)
     exited = silent_hung_nodes(snap, snap.metrics.exited_nodes, limit)
     silent = dark or exited
     idle = (snap.now if silent else latest.t) - latest.last_step_ts
     if idle <= limit or not (metrics_ok(snap) or silent):
         return []
+    unseen = unseen_host_s(snap.metrics.samples)
     waiting = set(snap.metrics.failing_nodes) & set(snap.job.nodes)
-    if not silent and waiting and idle <= limit + DARK_AFTER_S:
+    if not silent and waiting and idle <= limit + unseen + snap.metrics.dark_after_s:
+        return []
+    if not (silent or hung_nodes(snap)) and idle <= limit + unseen:
         return []
     return [
         _hang_finding(
             snap,
             f"no step for {idle:.0f} s (limit {limit:.0f} s) after step {latest.step}",
-            {"idle_seconds": idle, "limit_seconds": limit, "median_step_time": typical},
+            {
+                "idle_seconds": idle,
+                "limit_seconds": limit,
+                "median_step_time": typical,
+                "longest_gap_seen": gap,
+            },
             dark=dark,
             exited=exited,
             fault_time=latest.last_step_ts,
@@ -190,27 +223,77 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     ]
 
 
-def hang_limit(typical: float | None, rc: RecoverySpec) -> float:
-    """Seconds without a step that make a hang: hang_factor × the typical step, at least
-    the floor."""
-    if not typical:
-        return rc.hang_floor_seconds
-    return max(rc.hang_factor * typical, rc.hang_floor_seconds)
+#: A frozen host shows only once a scrape of it times out: up to a scrape interval before
+#: that scrape begins, and its timeout (at most an interval). A hang that names no node waits
+#: this many intervals past the limit, so that such a host is seen failing (and waited for)
+#: rather than restarted in place, where the restarted job hangs on it again.
+SILENT_HOST_SCRAPES = 2
+
+
+def unseen_host_s(samples: Sequence[MetricSample]) -> float:
+    """How long a frozen host may go unseen by the scrapes (`SILENT_HOST_SCRAPES`)."""
+    return SILENT_HOST_SCRAPES * scrape_interval(samples)
+
+
+def scrape_interval(samples: Sequence[MetricSample]) -> float:
+    """The median gap between the samples (0 with fewer than two)."""
+    gaps = [b.t - a.t for a, b in itertools.pairwise(samples) if b.t > a.t]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def hang_limit(typical: float | None, rc: RecoverySpec, gap: float | None = None) -> float:
+    """Seconds without a step that make a hang: hang_factor × the typical step and
+    hang_gap_factor × the longest gap between steps the run has shown, at least the floor.
+
+    The floor alone must cover every pause a healthy run may make; with the gaps the run
+    itself measured (saves, evaluations, stalls under load) the floor can be small and the
+    limit still grows with what this run, on this machine, has come through."""
+    limit = rc.hang_floor_seconds
+    if typical:
+        limit = max(limit, rc.hang_factor * typical)
+    if gap:
+        limit = max(limit, rc.hang_gap_factor * gap)
+    return limit
+
+
+def longest_gap(view: MetricsView) -> float | None:
+    """The longest gap between two steps any of the run's processes in the view has shown
+    (this attempt's samples and the earlier attempts' kept as `prior`)."""
+    gaps = [
+        s.step_gap_max
+        for s in (*view.prior, *view.samples)
+        if s.step_gap_max is not None and math.isfinite(s.step_gap_max) and s.step_gap_max > 0
+    ]
+    return max(gaps, default=None)
 
 
 def hang_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
     """When (wall clock) `detect_hang` can first see a hang if no step comes: the limit after
     the last step, plus one scrape interval (the median gap between the view's samples) for
-    a sample to show that stillness. None when the job does not run or no step was seen."""
+    a sample to show that stillness; while one of the job's nodes fails its scrapes, no
+    sooner than it settles as dark (the verdict waits for that); once that is past with no
+    verdict, a scrape interval from now, for as long as a node could still settle. None when
+    the job does not run, no step was seen, or nothing is coming."""
     samples = snap.metrics.samples
     if not job_running(snap) or not samples:
         return None
     last = samples[-1].last_step_ts
     if last is None or last <= 0:
         return None
-    gaps = [b.t - a.t for a, b in itertools.pairwise(samples) if b.t > a.t]
-    scrape = statistics.median(gaps) if gaps else 0.0
-    return last + hang_limit(median_step_time(samples), rc) + scrape
+    scrape = scrape_interval(samples)
+    limit = hang_limit(median_step_time(samples), rc, longest_gap(snap.metrics))
+    due = last + limit + scrape
+    settles = snap.metrics.dark_settles_at
+    if settles is not None and set(snap.metrics.failing_nodes) & set(snap.job.nodes):
+        due = max(due, settles)
+    if due <= snap.now and scrape > 0:
+        # Past due with no verdict: the sample showing the stillness may not be in yet, nor
+        # the first failed scrape of a frozen host. Look again a scrape later while such a
+        # verdict can still come; after that (a blind spot) the tick that is due will do.
+        if snap.now < due + unseen_host_s(samples) + snap.metrics.dark_after_s:
+            return snap.now + scrape
+        return None
+    return due
 
 
 def _hang_finding(
