@@ -30,7 +30,12 @@ from supervisor.watchdog.detectors import (
     straggler_due,
     verdict_due,
 )
-from supervisor.watchdog.detectors.progress import STARTUP_MIN_S, scrape_interval, unseen_host_s
+from supervisor.watchdog.detectors.progress import (
+    SAMPLE_SETTLE,
+    STARTUP_MIN_S,
+    next_read,
+    unseen_host_s,
+)
 from supervisor.watchdog.policy import rollback_target
 from supervisor.watchdog.snapshot import Cause, CheckpointRef, FindingKind, RunHistory
 
@@ -213,35 +218,61 @@ def test_hang_uses_median_step_time_with_a_floor(rc: RecoverySpec) -> None:
     assert detect_hang(snapshot(upto(fast, hung_at + 61)), rc) != []
 
 
-def test_hang_due_is_the_limit_after_the_last_step_and_one_scrape(rc: RecoverySpec) -> None:
-    """The reconciler ticks at `hang_due`: by then a sample shows the stillness past the
-    limit (a hang on a node that never began the step is judged then), and none before the
-    limit does. A hang that names no node waits two scrapes more, for a frozen host's first
-    timed-out scrape; the loop keeps looking a scrape apart until a verdict could come."""
-    fast = simulate(7, steps=1000, faults=Faults(hang_at=90), step_seconds=0.1)
-    hung_at = fast[-1].last_step_ts
-    assert hung_at is not None
-    scrape = 2 * 0.1  # simulate's default: a sample every 2 steps of 0.1 s
-    due = hang_due(snapshot(upto(fast, hung_at + 1)), rc)
-    assert due == pytest.approx(hung_at + 60 + scrape)  # the 60 s floor (10 × 0.1 s is less)
+def _periodic(hang_step: int, until: float) -> list[MetricSample]:
+    """Scrapes exactly 0.25 s apart (Prometheus scrapes a target at a fixed phase) of a run
+    stepping every 0.125 s from t=1000 until it hangs after `hang_step`: every time is exact
+    in binary, so the times a look is due at compare exactly."""
+    samples = []
+    for i in range(1, int((until - 1000.0) / 0.25) + 1):
+        t = 1000.0 + i * 0.25
+        step = min(int((t - 1000.0) / 0.125), hang_step)
+        samples.append(
+            MetricSample(
+                t=t,
+                step=step,
+                loss=3.0,
+                last_step_ts=1000.0 + step * 0.125,
+                samples_consumed=8 * step,
+                nonfinite_total=0,
+            )
+        )
+    return samples
+
+
+def test_hang_due_is_when_the_first_sample_past_the_limit_can_be_read(rc: RecoverySpec) -> None:
+    """The reconciler ticks at `hang_due`: when the first sample taken past the limit can be
+    read (SAMPLE_SETTLE of a scrape after it); a hang on a node that never began the step is
+    judged from that very sample, none before it convicts. A hang that names no node waits two
+    scrapes more (a frozen host's first timed-out scrape), and the loop looks at each sample as
+    it comes until a verdict could come; after that nothing is coming."""
+    small = rc.model_copy(update={"hang_floor_seconds": 2.0})  # 10 × 0.125 s is less
+    hung_at = 1000.0 + 90 * 0.125
+    run = _periodic(90, until=hung_at + 10)
+    seen = [x for x in run if x.t <= hung_at + 1]
+    settle = SAMPLE_SETTLE * 0.25
+    due = hang_due(snapshot(seen), small)
+    past_limit = [x.t for x in run if x.t > hung_at + 2.0]
+    assert due == past_limit[0] + settle
 
     def convicting(**named: tuple[str, ...]) -> float:
-        return next(
-            x.t
-            for x in fast
-            if x.t > hung_at and detect_hang(snapshot(upto(fast, x.t), **named), rc)
-        )
+        return next(x.t for x in run if detect_hang(snapshot(upto(run, x.t), **named), small) != [])
 
-    assert hung_at + 60 < convicting(lagging_nodes=("n3",)) <= due
-    assert hung_at + 60 + 2 * scrape < convicting() <= due + 2 * scrape
-    # Past due with no verdict (the sample showing it not in yet, an unnamed hang): a scrape
-    # from now, while a failing node could still show and settle; after that nothing comes.
-    late = snapshot(upto(fast, hung_at + 1), now=due + 1)
-    assert hang_due(late, rc) == pytest.approx(due + 1 + scrape)
-    blind = snapshot(upto(fast, hung_at + 1), now=due + 2 * scrape + DARK_AFTER_S)
-    assert hang_due(blind, rc) is None
-    done = snapshot(upto(fast, hung_at + 1), job_state=AttemptState.COMPLETED)
-    assert hang_due(done, rc) is None and hang_due(snapshot([]), rc) is None
+    assert convicting(lagging_nodes=("n3",)) == past_limit[0]
+    # A run that has shown a 1 s gap between steps: 3 × that is the limit.
+    gapped = [dataclasses.replace(x, step_gap_max=1.0) for x in seen]
+    assert (
+        hang_due(snapshot(gapped), small)
+        == next(t for t in past_limit if t > hung_at + 3.0) + settle
+    )
+    unseen = unseen_host_s(seen)
+    assert unseen == 2 * 0.25
+    assert convicting() == next(t for t in past_limit if t > hung_at + 2.0 + unseen)
+    late = snapshot(seen, now=due + 0.3)
+    assert hang_due(late, small) == next(t for t in past_limit if t > due + 0.3) + settle
+    blind = snapshot(seen, now=due + unseen + DARK_AFTER_S)
+    assert hang_due(blind, small) is None
+    done = snapshot(seen, job_state=AttemptState.COMPLETED)
+    assert hang_due(done, small) is None and hang_due(snapshot([]), small) is None
 
 
 def test_the_hang_limit_stays_above_the_longest_gap_the_run_has_shown(rc: RecoverySpec) -> None:
@@ -276,8 +307,6 @@ def test_the_hang_limit_stays_above_the_longest_gap_the_run_has_shown(rc: Recove
         dataclasses.replace(x, step_gap_max=math.nan if i % 2 else 0.0) for i, x in enumerate(fast)
     ]
     assert hang(unknown, 2) != []
-    due = hang_due(snapshot(upto(gapped, hung_at + 0.5)), small)
-    assert due == pytest.approx(hung_at + limit + 2 * 0.1)
 
 
 def test_hang_due_waits_for_a_failing_node_to_settle(rc: RecoverySpec) -> None:
@@ -754,13 +783,17 @@ def test_spike_between_scrapes_further_apart_than_the_window_is_found(
 
 def test_straggler_due_a_scrape_later_while_a_node_shows_slow(rc: RecoverySpec) -> None:
     """A straggler verdict needs k samples in a row: while the newest shows a slow node, the
-    loop looks again at the next scrape; a healthy sample asks for nothing."""
+    loop looks again when the next sample can be read; a healthy sample asks for nothing."""
     samples = simulate(3, steps=40, steps_per_sample=2)
     healthy = snapshot(samples)
     assert straggler_due(healthy, rc) is None
     slow = [*samples[:-1], dataclasses.replace(samples[-1], step_time={"n1": 1.0, "n2": 3.0})]
     snap = snapshot(slow)
-    scrape = scrape_interval(slow)
-    assert straggler_due(snap, rc) == pytest.approx(snap.now + scrape)
-    assert verdict_due(snap, rc) == pytest.approx(snap.now + scrape)  # sooner than hang_due
+    assert straggler_due(snap, rc) == next_read(slow, snap.now)
+    assert verdict_due(snap, rc) == straggler_due(snap, rc)  # sooner than hang_due
     assert verdict_due(healthy, rc) == hang_due(healthy, rc)
+    # The next read: the first sample after `after`, as the scrapes go on at their interval.
+    periodic = _periodic(1000, until=1010.0)
+    assert next_read(periodic, 1010.1) == 1010.25 + SAMPLE_SETTLE * 0.25
+    assert next_read(periodic, 1009.0) == 1010.25 + SAMPLE_SETTLE * 0.25  # no sample earlier
+    assert next_read(periodic[:1], 1010.0) is None  # no interval yet

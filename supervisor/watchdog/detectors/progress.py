@@ -85,16 +85,32 @@ def slow_nodes(step_time: Mapping[str, float], rc: RecoverySpec) -> dict[str, fl
 
 
 def straggler_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
-    """When the next sample can add to a straggler verdict (a scrape interval from now),
-    while the newest already shows a slow node; None otherwise. The verdict needs k samples
-    in a row, and the loop looks at each as it comes instead of at its next tick."""
+    """When the next sample can add to a straggler verdict (`next_read`), while the newest
+    already shows a slow node; None otherwise. The verdict needs k samples in a row, and the
+    loop looks at each as it comes instead of at its next tick."""
     if not metrics_ok(snap):
         return None
     latest = snap.metrics.samples[-1]
     if len(latest.step_time) < 2 or not slow_nodes(latest.step_time, rc):
         return None
-    scrape = scrape_interval(snap.metrics.samples)
-    return snap.now + scrape if scrape > 0 else None
+    return next_read(snap.metrics.samples, snap.now)
+
+
+#: A sample can be read once its scrape has finished: a look for a sample comes this
+#: fraction of a scrape interval after the sample's time (the scrape's start).
+SAMPLE_SETTLE = 0.2
+
+
+def next_read(samples: Sequence[MetricSample], after: float) -> float | None:
+    """When the first sample taken after `after` can be read: scrapes go on at the view's
+    interval from its newest sample (Prometheus scrapes each target at a fixed phase), and
+    each is read SAMPLE_SETTLE of an interval after it was taken. None without an interval."""
+    scrape = scrape_interval(samples)
+    if scrape <= 0:
+        return None
+    newest = samples[-1].t
+    taken = newest + max(1, math.floor((after - newest) / scrape) + 1) * scrape
+    return taken + SAMPLE_SETTLE * scrape
 
 
 def median_step_time(samples: Sequence[MetricSample]) -> float | None:
@@ -268,32 +284,34 @@ def longest_gap(view: MetricsView) -> float | None:
 
 
 def hang_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
-    """When (wall clock) `detect_hang` can first see a hang if no step comes: the limit after
-    the last step, plus one scrape interval (the median gap between the view's samples) for
-    a sample to show that stillness; while one of the job's nodes fails its scrapes, no
-    sooner than it settles as dark (the verdict waits for that); once that is past with no
-    verdict, a scrape interval from now, for as long as a node could still settle. None when
-    the job does not run, no step was seen, or nothing is coming."""
+    """When (wall clock) `detect_hang` can first see a hang if no step comes: when the first
+    sample taken past the limit after the last step can be read (`next_read`); while one of
+    the job's nodes fails its scrapes, no sooner than it settles as dark (the verdict waits
+    for that); once that is past with no verdict, at each next sample, for as long as a
+    frozen host could still show and settle. None when the job does not run, no step was
+    seen, or nothing is coming."""
     samples = snap.metrics.samples
     if not job_running(snap) or not samples:
         return None
     last = samples[-1].last_step_ts
     if last is None or last <= 0:
         return None
-    scrape = scrape_interval(samples)
     limit = hang_limit(median_step_time(samples), rc, longest_gap(snap.metrics))
-    due = last + limit + scrape
+    shown = next_read(samples, last + limit)
+    if shown is None:
+        return None
+    due = shown
     settles = snap.metrics.dark_settles_at
     if settles is not None and set(snap.metrics.failing_nodes) & set(snap.job.nodes):
         due = max(due, settles)
-    if due <= snap.now and scrape > 0:
-        # Past due with no verdict: the sample showing the stillness may not be in yet, nor
-        # the first failed scrape of a frozen host. Look again a scrape later while such a
-        # verdict can still come; after that (a blind spot) the tick that is due will do.
-        if snap.now < due + unseen_host_s(samples) + snap.metrics.dark_after_s:
-            return snap.now + scrape
-        return None
-    return due
+    if due > snap.now:
+        return due
+    # Past due with no verdict: the sample showing the stillness may not be in yet, nor the
+    # first failed scrape of a frozen host. Look at each sample as it comes while such a
+    # verdict can still come; after that (a blind spot) the tick that is due will do.
+    if snap.now < due + unseen_host_s(samples) + snap.metrics.dark_after_s:
+        return next_read(samples, snap.now)
+    return None
 
 
 def _hang_finding(
