@@ -45,10 +45,10 @@ class TrainMetrics:
         attempt: int,
         node: str,
         run_level: bool,
-        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = CollectorRegistry()
-        self._clock = clock
+        self._monotonic = monotonic
         self.run_level = run_level
         labels = {"run_id": run_id, "attempt": str(attempt), "node": node}
         self._m: dict[str, object] = {}
@@ -60,7 +60,7 @@ class TrainMetrics:
         self._losses: deque[float] = deque(maxlen=WINDOW_STEPS)
         self._norms: deque[float] = deque(maxlen=WINDOW_STEPS)
         self._times: deque[float] = deque(maxlen=WINDOW_STEPS)
-        self._last_step_wall: float | None = None
+        self._last_step_done: float | None = None
         self._gap_max = 0.0
 
     def serve(self, host: str, port: int) -> int:
@@ -85,13 +85,14 @@ class TrainMetrics:
 
     def on_step(self, r: StepReport) -> None:
         m = self._m
-        now = self._clock()
-        if self._last_step_wall is not None:
-            self._gap_max = max(self._gap_max, now - self._last_step_wall)
+        # The gap on the monotonic clock: a wall clock stepped by NTP would make one.
+        done = self._monotonic()
+        if self._last_step_done is not None:
+            self._gap_max = max(self._gap_max, done - self._last_step_done)
             m["step_gap_max_seconds"].set(self._gap_max)
-        self._last_step_wall = now
+        self._last_step_done = done
         m["step"].set(r.step)
-        m["last_step_timestamp_seconds"].set(now)
+        m["last_step_timestamp_seconds"].set(time.time())
         m["steps"].inc()
         self._times.append(r.node_step_time)
         m["step_time_seconds"].set(r.node_step_time)

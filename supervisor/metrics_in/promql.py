@@ -31,7 +31,7 @@ from supervisor.metrics_in.samples import (
     SampleHistory,
     build_sample,
 )
-from supervisor.metrics_in.scrape import ScrapeSource
+from supervisor.metrics_in.scrape import ScrapeRound, ScrapeSource
 from supervisor.metrics_in.types import LossPoint, MetricSample, MetricsView, RunKey, SourceHealth
 
 #: One series of a Prometheus matrix answer, as JSON.
@@ -192,9 +192,10 @@ def failing_since(
     `up == 0` sample after its newest `up == 1`, for the failing nodes whose newest sample
     failed. Timed from Prometheus's own scrapes, not from the tick that first saw them."""
     wanted = {key: set(nodes) for key, nodes in failing.items()}
+    keys = set(wanted)
     out: dict[RunKey, dict[str, float]] = {}
     for s in series:
-        key = _key(s.labels, set(wanted))
+        key = _key(s.labels, keys)
         node = s.labels.get("node", "")
         points = sorted(s.points)
         if key is None or node not in wanted[key] or not points or points[-1][1] != 0:
@@ -329,8 +330,12 @@ class PrometheusSource:
         failed = _failed_scrapes(dark, wanted)
         first_failed = self._failing_since(failed, now)
         self._scraped_by_prometheus &= set(keys)
-        unseen = [k for k in keys if k not in self._scraped_by_prometheus]
-        behind |= self._bridge(unseen, now, failed, peer_steps)
+        bridged = self._bridge([k for k in keys if k not in self._scraped_by_prometheus])
+        if bridged is not None:
+            behind |= bridged.lagging
+            # A host that froze before Prometheus scraped its attempt fails all the same.
+            failed = {**bridged.failing, **failed}
+            peer_steps = {**bridged.peer_steps, **peer_steps}
         self.history.set_dark(failed, peer_steps, now, first_failed)
         self.history.set_lagging_nodes(behind)
         self.history.forget_except(keys)
@@ -350,30 +355,18 @@ class PrometheusSource:
             log.warning(f"prometheus query failed: {type(exc).__name__}: {exc}")
             return {}
 
-    def _bridge(
-        self,
-        unseen: Sequence[RunKey],
-        now: float,
-        failed: dict[RunKey, dict[str, float]],
-        peer_steps: dict[RunKey, float],
-    ) -> dict[RunKey, list[str]]:
-        """Scrape the attempts Prometheus has not yet; their lagging nodes (a gauge: returned
-        for this tick's set, not kept). Their nodes whose direct scrape failed, and those
-        nodes' peers' furthest step, go into `failed` and `peer_steps`: a host that froze
-        before Prometheus scraped its attempt is seen failing all the same."""
+    def _bridge(self, unseen: Sequence[RunKey]) -> ScrapeRound | None:
+        """Scrape the attempts Prometheus has not yet; their samples go into the same window
+        (what else the round found, the caller merges: lagging nodes are a gauge, replaced
+        every tick, and failing nodes go with Prometheus's own)."""
         if self.bridge is None or not unseen:
-            return {}
-        behind: dict[RunKey, list[str]] = {}
-        for key, view in self.bridge.collect(unseen, now).items():
-            if view.health is SourceHealth.UP:
-                self.history.add(key, view.samples[-1])
-                self.history.add_nonfinite_nodes(key, view.nonfinite_grad_nodes)
-                behind[key] = list(view.lagging_nodes)
-            if key in self.bridge.failing:
-                failed[key] = {**self.bridge.failing[key], **failed.get(key, {})}
-                if key in self.bridge.peer_steps:
-                    peer_steps.setdefault(key, self.bridge.peer_steps[key])
-        return behind
+            return None
+        scraped = self.bridge.scrape_round(unseen)
+        for key, sample in scraped.samples.items():
+            self.history.add(key, sample)
+        for key, nodes in scraped.nonfinite.items():
+            self.history.add_nonfinite_nodes(key, nodes)
+        return scraped
 
 
 def loss_history(

@@ -79,8 +79,18 @@ def build_sample(
     return MetricSample(t=t, step_time=dict(step_time), **fields)
 
 
-#: Samples whose gaps make a key's scrape interval (`SampleHistory.scrape_interval`).
+#: The newest samples whose gaps make a view's scrape interval (`scrape_interval`).
 SCRAPE_INTERVAL_SAMPLES = 16
+
+
+def scrape_interval(samples: Sequence[MetricSample]) -> float:
+    """The median gap between the newest SCRAPE_INTERVAL_SAMPLES samples (0 with fewer than
+    two): how often the source sees the run, which the dark time and the detectors' read
+    times follow."""
+    recent = samples[-SCRAPE_INTERVAL_SAMPLES:]
+    gaps = [b.t - a.t for a, b in itertools.pairwise(recent) if b.t > a.t]
+    return statistics.median(gaps) if gaps else 0.0
+
 
 #: Earlier attempts' samples kept per run as a fresh attempt's loss baseline.
 PRIOR_SAMPLES = 256
@@ -146,15 +156,15 @@ class SampleHistory:
         first_failed: Mapping[RunKey, Mapping[str, float]] | None = None,
     ) -> None:
         """The nodes whose endpoint failed at this answer, with how long that scrape took
-        (failing from the first answer that showed it so, or from `first_failed`, the
-        source's time of the streak's first failed scrape, until one shows it answering),
+        (failing from `first_failed`, the source's time of the streak's first failed scrape,
+        else from the first answer that showed it so, until one shows it answering),
         and the furthest step the answering nodes of such an attempt had begun (steady from
         the first answer with that value)."""
         since: dict[RunKey, dict[str, float]] = {}
         for key, nodes in failing.items():
             seen = self._dark_since.get(key, {})
             first = (first_failed or {}).get(key, {})
-            since[key] = {n: min(seen.get(n, now), first.get(n, now)) for n in nodes}
+            since[key] = {n: first.get(n, seen.get(n, now)) for n in nodes}
         self._dark_since = {k: v for k, v in since.items() if v}
         self._refused = {
             key: frozenset(n for n, s in nodes.items() if s < REFUSED_WITHIN_S)
@@ -171,7 +181,7 @@ class SampleHistory:
         `dark_after` of the key's scrape interval, failing before; and how long their peers
         stood still."""
         since = self._dark_since.get(key, {})
-        after = dark_after(self.scrape_interval(key))
+        after = dark_after(scrape_interval(tuple(self._samples.get(key, ()))))
         settled = {n for n, t in since.items() if now - t >= after}
         refused = self._refused.get(key, frozenset())
         peer = self._peer_step.get(key)
@@ -184,14 +194,6 @@ class SampleHistory:
             "dark_after_s": after,
             "dark_settles_at": min(pending, default=None),
         }
-
-    def scrape_interval(self, key: RunKey) -> float | None:
-        """The median gap between the key's last SCRAPE_INTERVAL_SAMPLES samples."""
-        buf = self._samples.get(key)
-        if not buf or len(buf) < 2:
-            return None
-        recent = list(buf)[-SCRAPE_INTERVAL_SAMPLES:]
-        return statistics.median(b.t - a.t for a, b in itertools.pairwise(recent))
 
     def view(self, key: RunKey, now: float, health: SourceHealth = SourceHealth.UP) -> MetricsView:
         """The key's window; UP only when the source answered and its newest sample is fresh."""

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,7 +26,7 @@ from supervisor.metrics_in.samples import (
     SampleHistory,
     build_sample,
 )
-from supervisor.metrics_in.types import MetricsView, RunKey, SourceHealth
+from supervisor.metrics_in.types import MetricSample, MetricsView, RunKey, SourceHealth
 
 log = logging.getLogger("nightwatch.metrics_in")
 
@@ -55,6 +55,24 @@ def parse_exposition(text: str) -> dict[str, float]:
     return out
 
 
+@dataclass
+class ScrapeRound:
+    """What one scrape of the endpoints of some attempts found, per attempt."""
+
+    #: The sample of the attempt's primary node (run-level values, each node's step time).
+    samples: dict[RunKey, MetricSample] = field(default_factory=dict)
+    #: Nodes whose own gradients went non-finite (their counter is > 0).
+    nonfinite: dict[RunKey, list[str]] = field(default_factory=dict)
+    #: Nodes that had begun an earlier step than the attempt's furthest node.
+    lagging: dict[RunKey, list[str]] = field(default_factory=dict)
+    #: Nodes whose scrape failed while others answered, with how long the scrape took, and
+    #: the furthest step those that answered had begun.
+    failing: dict[RunKey, dict[str, float]] = field(default_factory=dict)
+    peer_steps: dict[RunKey, float] = field(default_factory=dict)
+    #: Attempts none of whose endpoints answered.
+    down: set[RunKey] = field(default_factory=set)
+
+
 class ScrapeSource:
     """Scrape the registered worker endpoints directly; one sample per run per tick."""
 
@@ -74,11 +92,6 @@ class ScrapeSource:
         self.history = SampleHistory(window_s, stale_after_s)
         self._client = client or httpx.Client(timeout=timeout_s)
         self._parallel = parallel
-        #: The last collect's failed scrapes (node → seconds the scrape took) and the furthest
-        #: step their answering peers began, per attempt with a failing node: what a
-        #: PrometheusSource bridging an attempt merges into its own dark-node record.
-        self.failing: dict[RunKey, dict[str, float]] = {}
-        self.peer_steps: dict[RunKey, float] = {}
 
     def close(self) -> None:
         self._client.close()
@@ -97,7 +110,8 @@ class ScrapeSource:
             )
             return None, time.monotonic() - started
 
-    def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]:
+    def scrape_round(self, keys: Sequence[RunKey]) -> ScrapeRound:
+        """Scrape every registered endpoint of `keys` once (in parallel)."""
         wanted = set(keys)
         targets = [t for t in self.targets() if t.key in wanted]
         with ThreadPoolExecutor(self._parallel) as pool:
@@ -108,39 +122,43 @@ class ScrapeSource:
         for target, (values, seconds) in zip(targets, scraped, strict=True):
             by_key.setdefault(target.key, []).append((target, values))
             took[target] = seconds
-        failed: set[RunKey] = set()
-        behind: dict[RunKey, list[str]] = {}
-        dark: dict[RunKey, dict[str, float]] = {}
-        peer_steps: dict[RunKey, float] = {}
+        out = ScrapeRound()
         for key, results in by_key.items():
             ok = [(tg, v) for tg, v in results if v is not None]
             if not ok:
-                failed.add(key)
+                out.down.add(key)
                 continue
             entered = {tg.node: v[STEP_ENTERED] for tg, v in ok if STEP_ENTERED in v}
             furthest = max(entered.values(), default=None)
             if len(ok) < len(results):
-                dark[key] = {tg.node: took[tg] for tg, v in results if v is None}
+                out.failing[key] = {tg.node: took[tg] for tg, v in results if v is None}
                 if furthest is not None:
-                    peer_steps[key] = furthest
+                    out.peer_steps[key] = furthest
             # A node that is not the primary exports its own run-level values; only with every
             # node answering may the first stand in for a primary not yet marked.
             primary = next((v for _, v in ok if PRIMARY_MARKER in v), None)
-            if primary is None and key not in dark:
+            if primary is None and key not in out.failing:
                 primary = ok[0][1]
             if primary is not None:
                 step_time = {tg.node: v[STEP_TIME] for tg, v in ok if STEP_TIME in v}
-                self.history.add(key, build_sample(t, primary, step_time))
-            self.history.add_nonfinite_nodes(
-                key, (tg.node for tg, v in ok if v.get(NONFINITE_GRADS, 0) > 0)
-            )
+                out.samples[key] = build_sample(t, primary, step_time)
+            out.nonfinite[key] = [tg.node for tg, v in ok if v.get(NONFINITE_GRADS, 0) > 0]
             if furthest is not None:
-                behind[key] = [node for node, step in entered.items() if step < furthest]
-        self.history.set_lagging_nodes(behind)
-        self.history.set_dark(dark, peer_steps, now)
-        self.failing, self.peer_steps = dark, peer_steps
+                out.lagging[key] = [node for node, step in entered.items() if step < furthest]
+        return out
+
+    def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]:
+        scraped = self.scrape_round(keys)
+        for key, sample in scraped.samples.items():
+            self.history.add(key, sample)
+        for key, nodes in scraped.nonfinite.items():
+            self.history.add_nonfinite_nodes(key, nodes)
+        self.history.set_lagging_nodes(scraped.lagging)
+        self.history.set_dark(scraped.failing, scraped.peer_steps, now)
         self.history.forget_except(keys)
         return {
-            k: self.history.view(k, now, SourceHealth.DOWN if k in failed else SourceHealth.UP)
+            k: self.history.view(
+                k, now, SourceHealth.DOWN if k in scraped.down else SourceHealth.UP
+            )
             for k in keys
         }

@@ -13,8 +13,8 @@ from typing import Protocol
 
 RunKey = tuple[str, int]  # (run_id, attempt)
 
-#: A node's endpoint must fail every scrape for DARK_AFTER_SCRAPES scrape intervals (the
-#: median gap between the attempt's samples), and at least DARK_AFTER_S, before it counts
+#: A node's endpoint must fail every scrape for DARK_AFTER_SCRAPES scrape intervals
+#: (`samples.scrape_interval`), and at least DARK_AFTER_S, before it counts
 #: as dark: one timed-out scrape of a busy exporter is not a dead host, and a fixed time
 #: would be many scrapes at a fast interval and less than one at a slow one.
 DARK_AFTER_SCRAPES = 2

@@ -72,10 +72,10 @@ from supervisor.watchdog.snapshot import (
 
 log = logging.getLogger("nightwatch.watchdog")
 
-#: Actions resumed from their intent after a crash (cancel / complete are re-derived each tick).
 #: How long SLURM may go on running a job whose ranks all finished before the attempt counts
 #: as COMPLETED anyway (`Observer.ranks_ended`): a job ends a second or two after its ranks.
 LINGER_S = 10.0
+#: Actions resumed from their intent after a crash (cancel / complete are re-derived each tick).
 RESUMABLE = [ActionKind.SUBMIT.value] + [k.value for k in RemedyKind if k is not RemedyKind.NONE]
 
 
@@ -261,8 +261,10 @@ class Observer:
         ):
             return status
         folder = attempt_log_dir(self.home, run.id, attempt.number) / attempt.job_id
-        finished = finished_at(folder, attempt.job_id, spec.resources.world_size)
-        if finished is not None and spec.resources.spare_nodes and now - finished >= LINGER_S:
+        finished = None
+        if spec.resources.spare_nodes:  # only a --no-kill job outlives its batch host
+            finished = finished_at(folder, attempt.job_id, spec.resources.world_size)
+        if finished is not None and now - finished >= LINGER_S:
             return dataclasses.replace(
                 status,
                 state=JobState.COMPLETED,

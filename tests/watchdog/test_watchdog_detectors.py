@@ -269,7 +269,9 @@ def test_hang_due_is_when_the_first_sample_past_the_limit_can_be_read(rc: Recove
     assert convicting() == next(t for t in past_limit if t > hung_at + 2.0 + unseen)
     late = snapshot(seen, now=due + 0.3)
     assert hang_due(late, small) == next(t for t in past_limit if t > due + 0.3) + settle
-    blind = snapshot(seen, now=due + unseen + DARK_AFTER_S)
+    still = snapshot(seen, now=due + unseen + DARK_AFTER_S - 0.01)
+    assert hang_due(still, small) == next(t for t in past_limit if t > still.now) + settle
+    blind = snapshot(seen, now=due + unseen + DARK_AFTER_S + 0.01)
     assert hang_due(blind, small) is None
     done = snapshot(seen, job_state=AttemptState.COMPLETED)
     assert hang_due(done, small) is None and hang_due(snapshot([]), small) is None
@@ -790,6 +792,13 @@ def test_straggler_due_a_scrape_later_while_a_node_shows_slow(rc: RecoverySpec) 
     slow = [*samples[:-1], dataclasses.replace(samples[-1], step_time={"n1": 1.0, "n2": 3.0})]
     snap = snapshot(slow)
     assert straggler_due(snap, rc) == next_read(slow, snap.now)
+    # k slow samples in a row make the verdict (or the policy declined it): no more looks.
+    k = rc.loss_spike_sustain_steps
+    judged = [
+        *samples[:-k],
+        *(dataclasses.replace(x, step_time={"n1": 1.0, "n2": 3.0}) for x in samples[-k:]),
+    ]
+    assert straggler_due(snapshot(judged), rc) is None
     assert verdict_due(snap, rc) == straggler_due(snap, rc)  # sooner than hang_due
     assert verdict_due(healthy, rc) == hang_due(healthy, rc)
     # The next read: the first sample after `after`, as the scrapes go on at their interval.

@@ -864,10 +864,10 @@ def test_the_loop_ticks_when_a_hang_verdict_becomes_possible(db: Database, tmp_p
     ticks = _count_ticks(rec)
     rec.start()
     try:
-        _wait_for(lambda: len(ticks) == 2)
+        _wait_for(lambda: len(ticks) >= 2)
         assert ticks[1] >= last + 60 + 1.0  # the limit, and the next scrape (1 s apart here)
         # No verdict: the loop looks again as the next sample can be read, not 60 s later
         # (when it stops looking: test_watchdog_detectors, `hang_due`).
-        _wait_for(lambda: len(ticks) == 3)
+        _wait_for(lambda: len(ticks) >= 3)
     finally:
         rec.stop()

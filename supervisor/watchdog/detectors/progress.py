@@ -10,6 +10,7 @@ from typing import Any
 
 from contracts.spec import RecoverySpec
 from supervisor.metrics_in import MetricSample, MetricsView, SourceHealth
+from supervisor.metrics_in.samples import scrape_interval
 from supervisor.watchdog.detectors.common import (
     MIN_BASELINE_SAMPLES,
     by_step,
@@ -86,12 +87,17 @@ def slow_nodes(step_time: Mapping[str, float], rc: RecoverySpec) -> dict[str, fl
 
 def straggler_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
     """When the next sample can add to a straggler verdict (`next_read`), while the newest
-    already shows a slow node; None otherwise. The verdict needs k samples in a row, and the
-    loop looks at each as it comes instead of at its next tick."""
+    samples show a slow node but fewer than the k in a row the verdict needs; None otherwise
+    (a verdict made, or declined by the policy, asks for nothing more). The loop looks at
+    each such sample as it comes instead of at its next tick."""
     if not metrics_ok(snap):
         return None
-    latest = snap.metrics.samples[-1]
-    if len(latest.step_time) < 2 or not slow_nodes(latest.step_time, rc):
+    streak = 0
+    for sample in reversed(by_step(snap.metrics.samples)):
+        if len(sample.step_time) < 2 or not slow_nodes(sample.step_time, rc):
+            break
+        streak += 1
+    if not 0 < streak < rc.loss_spike_sustain_steps:
         return None
     return next_read(snap.metrics.samples, snap.now)
 
@@ -208,7 +214,7 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
         return []
     typical = median_step_time(snap.metrics.samples)
     gap = longest_gap(snap.metrics)
-    limit = hang_limit(typical, rc, gap)
+    limit = run_hang_limit(snap, rc)
     dark = silent_hung_nodes(snap, snap.metrics.dark_nodes, limit)
     exited = silent_hung_nodes(snap, snap.metrics.exited_nodes, limit)
     silent = dark or exited
@@ -251,12 +257,6 @@ def unseen_host_s(samples: Sequence[MetricSample]) -> float:
     return SILENT_HOST_SCRAPES * scrape_interval(samples)
 
 
-def scrape_interval(samples: Sequence[MetricSample]) -> float:
-    """The median gap between the samples (0 with fewer than two)."""
-    gaps = [b.t - a.t for a, b in itertools.pairwise(samples) if b.t > a.t]
-    return statistics.median(gaps) if gaps else 0.0
-
-
 def hang_limit(typical: float | None, rc: RecoverySpec, gap: float | None = None) -> float:
     """Seconds without a step that make a hang: hang_factor × the typical step and
     hang_gap_factor × the longest gap between steps the run has shown, at least the floor.
@@ -270,6 +270,11 @@ def hang_limit(typical: float | None, rc: RecoverySpec, gap: float | None = None
     if gap:
         limit = max(limit, rc.hang_gap_factor * gap)
     return limit
+
+
+def run_hang_limit(snap: Snapshot, rc: RecoverySpec) -> float:
+    """`hang_limit` for the run in `snap`: its median step and the longest gap it has shown."""
+    return hang_limit(median_step_time(snap.metrics.samples), rc, longest_gap(snap.metrics))
 
 
 def longest_gap(view: MetricsView) -> float | None:
@@ -296,8 +301,7 @@ def hang_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
     last = samples[-1].last_step_ts
     if last is None or last <= 0:
         return None
-    limit = hang_limit(median_step_time(samples), rc, longest_gap(snap.metrics))
-    shown = next_read(samples, last + limit)
+    shown = next_read(samples, last + run_hang_limit(snap, rc))
     if shown is None:
         return None
     due = shown
