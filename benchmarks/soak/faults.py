@@ -58,6 +58,10 @@ def slurm(cluster: Cluster, *args: str, timeout_s: float = 15) -> str:
     return out.stdout
 
 
+#: Where the cgroup v1 freezer is mounted (scripts/devcluster freezes a "node" there).
+FREEZER_ROOT = Path("/sys/fs/cgroup/freezer")
+
+
 def _environ(pid: str) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -75,15 +79,34 @@ def _ppid(pid: str) -> str:
     return stat.rsplit(")", 1)[1].split()[1]
 
 
+def frozen(pid: str) -> bool:
+    """Whether the process sits in a frozen cgroup v1 freezer (a node the soak killed)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "freezer" in controllers.split(","):
+            state = FREEZER_ROOT / path.lstrip("/") / "freezer.state"
+            try:
+                return state.read_text().strip() != "THAWED"
+            except OSError:
+                return False
+    return False
+
+
 def rank_process(job_id: str, rank: int) -> int | None:
     """The training process of one global rank of a job: Nightwatch's node task forks its
     ranks and names each (`worker.ranks`: `nw-rank<N>` in /proc/<pid>/comm, the environment
     being the node task's); the baseline's ranks are SLURM tasks (SLURM_PROCID), and its
-    python's own children (helpers) are not ranks."""
+    python's own children (helpers) are not ranks. The ranks of a node the soak froze are
+    left out: a job that moved to a spare still lists them, and a SIGKILL there would wait
+    for a thaw that never comes (the crash would never strike)."""
     named: set[str] = set()
     found: set[str] = set()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or frozen(entry.name):
             continue
         env = _environ(entry.name)
         if env.get("SLURM_JOB_ID") != job_id:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
+import pytest
+
 from benchmarks.soak import driver
+from benchmarks.soak import faults as soak_faults
 from benchmarks.soak.faults import FollowUp, JobView, NoTarget
 from benchmarks.soak.progress import LogFollower
 from benchmarks.soak.schedule import FaultKind, ScheduledFault, spec_fault
@@ -165,3 +170,28 @@ def test_a_spec_side_node_fault_is_scored_on_the_node_the_trainer_pinned(tmp_pat
     struck = driver.with_struck_nodes(done, tmp_path)
     assert [i.node for i in struck] == ["n5", None, None]  # the NaN node never struck
     assert struck[2] == done[2]
+
+
+@pytest.mark.skipif(
+    not (soak_faults.FREEZER_ROOT / "tasks").exists() or os.geteuid() != 0,
+    reason="needs root and the cgroup v1 freezer (as scripts/devcluster's kill-node does)",
+)
+def test_a_rank_on_a_frozen_node_is_no_target(tmp_path: Path) -> None:
+    """A job that moved off a dead node still lists its frozen ranks; the crash must go to
+    the live rank (a SIGKILL to a frozen one waits for a thaw that never comes)."""
+    cgroup = soak_faults.FREEZER_ROOT / f"nw-test-{os.getpid()}"
+    cgroup.mkdir()
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        (cgroup / "cgroup.procs").write_text(str(proc.pid))
+        assert not soak_faults.frozen(str(proc.pid))
+        (cgroup / "freezer.state").write_text("FROZEN")
+        assert soak_faults.frozen(str(proc.pid))
+        (cgroup / "freezer.state").write_text("THAWED")
+        assert not soak_faults.frozen(str(proc.pid))
+        assert not soak_faults.frozen(str(os.getpid()))
+    finally:
+        (cgroup / "freezer.state").write_text("THAWED")
+        proc.kill()
+        proc.wait()
+        cgroup.rmdir()
