@@ -214,7 +214,7 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
         return []
     typical = median_step_time(snap.metrics.samples)
     gap = longest_gap(snap.metrics)
-    limit = run_hang_limit(snap, rc)
+    limit = hang_limit(typical, rc, gap)
     dark = silent_hung_nodes(snap, snap.metrics.dark_nodes, limit)
     exited = silent_hung_nodes(snap, snap.metrics.exited_nodes, limit)
     silent = dark or exited
