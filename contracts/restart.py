@@ -90,9 +90,9 @@ def exit_code_path(job_folder: Path, job_id: str, rank: int) -> Path:
     return Path(job_folder) / f"{job_id}_{rank}_exit_code"
 
 
-def read_exit_codes(job_folder: Path, job_id: str) -> list[tuple[int, int]]:
-    """(rank, exit code) of the ranks of this folder's attempt that have ended, in the order
-    they ended (the files' modification times; ties by rank)."""
+def exit_records(job_folder: Path, job_id: str) -> list[tuple[int, int, int]]:
+    """(modification time in ns, rank, exit code) of the ranks of this folder's attempt that
+    have ended, in the order they ended (ties by rank)."""
     found: list[tuple[int, int, int]] = []
     try:
         paths = list(Path(job_folder).glob(f"{job_id}_*_exit_code"))
@@ -104,22 +104,21 @@ def read_exit_codes(job_folder: Path, job_id: str) -> list[tuple[int, int]]:
             found.append((path.stat().st_mtime_ns, int(rank), int(path.read_text())))
         except (OSError, ValueError):
             continue
-    return [(rank, code) for _, rank, code in sorted(found)]
+    return sorted(found)
 
 
-def finished_at(job_folder: Path, job_id: str, world_size: int) -> float | None:
-    """When the last of the attempt's `world_size` ranks exited, if every one of them exited
-    0 (finished training); None otherwise."""
-    try:
-        paths = list(Path(job_folder).glob(f"{job_id}_*_exit_code"))
-        if len(paths) != world_size:
-            return None
-        ended = [(p.stat().st_mtime, p.read_text().strip()) for p in paths]
-    except OSError:
+def read_exit_codes(job_folder: Path, job_id: str) -> list[tuple[int, int]]:
+    """(rank, exit code) of the ranks of this folder's attempt that have ended, in the order
+    they ended (`exit_records`)."""
+    return [(rank, code) for _, rank, code in exit_records(job_folder, job_id)]
+
+
+def all_finished_at(records: Sequence[tuple[int, int, int]], world_size: int) -> float | None:
+    """When (unix s) the last of an attempt's `world_size` ranks exited, if every one of them
+    exited 0 (finished training); None otherwise. `records` as `exit_records` gives them."""
+    if len(records) != world_size or any(code != exitcodes.OK for _, _, code in records):
         return None
-    if any(code != str(exitcodes.OK) for _, code in ended):
-        return None
-    return max(t for t, _ in ended)
+    return records[-1][0] / 1e9
 
 
 def failed_exit(codes: Sequence[tuple[int, int]]) -> int | None:

@@ -34,10 +34,10 @@ from contracts.checkpoints import (
 )
 from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
 from contracts.restart import (
+    all_finished_at,
+    exit_records,
     failed_exit,
-    finished_at,
     job_control_dir,
-    read_exit_codes,
     read_order,
 )
 from contracts.spec import RunSpec
@@ -261,9 +261,10 @@ class Observer:
         ):
             return status
         folder = attempt_log_dir(self.home, run.id, attempt.number) / attempt.job_id
+        records = exit_records(folder, attempt.job_id)
         finished = None
         if spec.resources.spare_nodes:  # only a --no-kill job outlives its batch host
-            finished = finished_at(folder, attempt.job_id, spec.resources.world_size)
+            finished = all_finished_at(records, spec.resources.world_size)
         if finished is not None and now - finished >= LINGER_S:
             return dataclasses.replace(
                 status,
@@ -271,7 +272,7 @@ class Observer:
                 exit_code=exitcodes.OK,
                 reason=f"every rank finished {now - finished:.0f} s ago; the job lingers",
             )
-        code = failed_exit(read_exit_codes(folder, attempt.job_id))
+        code = failed_exit([(rank, code) for _, rank, code in records])
         if code is None:
             return status
         return dataclasses.replace(

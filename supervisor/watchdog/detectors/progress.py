@@ -272,11 +272,6 @@ def hang_limit(typical: float | None, rc: RecoverySpec, gap: float | None = None
     return limit
 
 
-def run_hang_limit(snap: Snapshot, rc: RecoverySpec) -> float:
-    """`hang_limit` for the run in `snap`: its median step and the longest gap it has shown."""
-    return hang_limit(median_step_time(snap.metrics.samples), rc, longest_gap(snap.metrics))
-
-
 def longest_gap(view: MetricsView) -> float | None:
     """The longest gap between two steps any of the run's processes in the view has shown
     (this attempt's samples and the earlier attempts' kept as `prior`)."""
@@ -301,7 +296,8 @@ def hang_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
     last = samples[-1].last_step_ts
     if last is None or last <= 0:
         return None
-    shown = next_read(samples, last + run_hang_limit(snap, rc))
+    limit = hang_limit(median_step_time(samples), rc, longest_gap(snap.metrics))
+    shown = next_read(samples, last + limit)
     if shown is None:
         return None
     due = shown
