@@ -5,7 +5,9 @@ non-finite gradients, so the trainer dates a fault exactly, whatever the scrape 
 rank 0 appends one JSON line per bad step to `<checkpoint dir>/.health/anomalies.jsonl` (one
 `write` each, before the step's metrics move, so a scrape that counts a bad step finds its line
 here), one `clean` line at the first good step after bad ones (the episode is over, known before
-a scrape shows a later step), and one `stop` line when it stops on its skipped-update budget.
+a scrape shows a later step), one `stop` line when it stops on its skipped-update budget, and
+one `straggler` line when a node's own step time stays above the others' (the step's
+all-reduce carries every rank's busy time, so the verdict needs no scrape either).
 The supervisor reads the file (torch-free) to judge onsets, skip exactly the bad samples,
 record contained faults and learn why a job ended even if no scrape saw the step.
 """
@@ -30,6 +32,9 @@ SPIKE = "spike"  # the step's loss far above its recent trend: the update was ap
 CLEAN = "clean"
 #: The line written when the trainer stops on its budget of skipped updates.
 STOP = "skip_budget"
+#: A node whose busy time per step stayed above `straggler_ratio` × the other nodes' over the
+#: last `straggler_steps` steps (`nodes` names it, `ratio` says by how much).
+STRAGGLER = "straggler"
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -53,9 +58,12 @@ class Anomaly:
     #: The loss above which a step (and a sample) counted as a spike at this step.
     threshold: float | None = None
     t: float = 0.0
-    #: For STOP: the skipped updates counted in the budget window, and the window's steps.
+    #: For STOP: the skipped updates counted in the budget window, and the window's steps
+    #: (for STRAGGLER: the steps judged, ending at `step`).
     skipped_updates: int = 0
     window_steps: int = 0
+    #: For STRAGGLER: the node's median step time over the window / the other nodes'.
+    ratio: float | None = None
 
     @property
     def key(self) -> str:
@@ -77,6 +85,7 @@ class Anomaly:
                 "t": round(self.t, 3),
                 "skipped_updates": self.skipped_updates,
                 "window_steps": self.window_steps,
+                "ratio": _finite_or_none(self.ratio),
             }
         )
 
@@ -96,6 +105,7 @@ class Anomaly:
             t=float(d.get("t", 0.0)),
             skipped_updates=int(d.get("skipped_updates", 0)),
             window_steps=int(d.get("window_steps", 0)),
+            ratio=d.get("ratio"),
         )
 
 

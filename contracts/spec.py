@@ -323,6 +323,14 @@ class RecoverySpec(_Strict):
     )
     throughput_drop_ratio: float = Field(default=0.5, gt=0, lt=1)
     straggler_ratio: float = Field(default=1.5, gt=1, description="Node step time / median.")
+    straggler_steps: int = Field(
+        default=16,
+        ge=2,
+        le=10_000,
+        description="The trainer names a straggler: a node whose step time (its slowest "
+        "rank's time before the step's all-reduce) was above straggler_ratio × the median "
+        "of the other nodes' in more than half of the last this many steps.",
+    )
     hang_factor: float = Field(default=10.0, gt=1, description="× median step time.")
     hang_floor_seconds: float = Field(default=60.0, gt=0)
     hang_gap_factor: float = Field(

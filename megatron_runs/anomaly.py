@@ -13,6 +13,8 @@ went non-finite, so every rank reaches the same verdict; global rank 0 writes it
 Only good steps feed the trend, and none is judged a spike before MIN_TREND_STEPS of them.
 The first good step after bad ones is recorded too (`clean_record`): the episode is over.
 The skipped-update budget (`SkipBudget`) stops a run whose trainer keeps containing faults.
+A node that keeps stepping slower than the others is named too (`StragglerWatch`): the step's
+all-reduce carries every rank's busy time, so every rank knows each node's, every step.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from contracts.anomalies import CLEAN, NONFINITE, SPIKE, Anomaly, ranges_of
+from contracts.anomalies import CLEAN, NONFINITE, SPIKE, STRAGGLER, Anomaly, ranges_of
 from contracts.spec import RecoverySpec
 
 #: Good steps the trend needs before a spike can be judged against it.
@@ -125,3 +127,58 @@ class SkipBudget:
         while self.steps and self.steps[0] <= step - self.window:
             self.steps.popleft()
         return len(self.steps) > self.budget
+
+
+def node_busy(
+    rank_busy: Sequence[float], rank_nodes: Sequence[int], nodes: Sequence[str]
+) -> dict[str, float]:
+    """Each node's step time: its slowest rank's busy time (the others wait for that rank in
+    the step's all-reduce)."""
+    out: dict[str, float] = {}
+    for busy, index in zip(rank_busy, rank_nodes, strict=True):
+        node = nodes[index]
+        out[node] = max(out.get(node, 0.0), busy)
+    return out
+
+
+class StragglerWatch:
+    """Each node's step time over the median of the other nodes', for the last `steps` steps.
+
+    A node is named once it was slower than `ratio` × the others in more than half of its
+    last `steps` steps: neither a few noisy steps of a healthy node nor a few normal ones of a
+    slow node decide. Named once per episode: again only after it was slow in at most half.
+    Needs two nodes (one node has nobody to be slower than)."""
+
+    def __init__(self, ratio: float, steps: int) -> None:
+        self.ratio = ratio
+        self.steps = steps
+        self.ratios: dict[str, deque[float]] = {}
+        self.named: set[str] = set()
+
+    def observe(self, busy: Mapping[str, float]) -> dict[str, float]:
+        """Add one step's node times; the nodes named at this step, each with the median of
+        its slow steps' ratios."""
+        if len(busy) < 2:
+            return {}
+        out = {}
+        for node, t in busy.items():
+            ref = statistics.median(v for n, v in busy.items() if n != node)
+            window = self.ratios.setdefault(node, deque(maxlen=self.steps))
+            window.append(t / ref if ref > 0 else 1.0)
+            slow = [r for r in window if r > self.ratio]
+            if 2 * len(slow) <= self.steps:
+                self.named.discard(node)
+            elif node not in self.named:
+                self.named.add(node)
+                out[node] = statistics.median(slow)
+        return out
+
+
+def straggler_record(
+    step: int, node: str, ratio: float, steps: int, attempt: int, now: float
+) -> Anomaly:
+    """The `straggler` line naming `node` at `step` (judged over the `steps` steps to it)."""
+    return Anomaly(
+        attempt=attempt, step=step, kind=STRAGGLER, nodes=(node,), ratio=ratio,
+        window_steps=steps, t=now,
+    )  # fmt: skip

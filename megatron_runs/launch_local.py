@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,17 +110,20 @@ def launch(
     python: str = sys.executable,
     entry: tuple[str, ...] = ("-m", "megatron_runs.train"),
     memory_tiers: Sequence[Sequence[int]] | None = None,
+    rank_env: Sequence[Mapping[str, str]] | None = None,
 ) -> LocalRun:
     """Start `nproc` ranks of `entry` (default: the training CLI) with `args`; logs go to
     log_dir/rank<i>.log. `memory_tiers`: per rank, the open descriptors of its in-memory
-    checkpoint slots, handed to it as a node task hands them (`contracts.restart`)."""
+    checkpoint slots, handed to it as a node task hands them (`contracts.restart`);
+    `rank_env`: per rank, more environment (a node name per rank: ranks on distinct nodes)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs, logs = [], []
     for rank in range(nproc):
-        rank_env = {
+        process_env = {
             **os.environ,
             **(env or {}),
+            **(rank_env[rank] if rank_env else {}),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "RANK": str(rank),
@@ -132,13 +135,13 @@ def launch(
         }
         fds = tuple(memory_tiers[rank]) if memory_tiers else ()
         if fds:
-            rank_env.update(memory_tier_env(fds))
+            process_env.update(memory_tier_env(fds))
         log = log_dir / f"rank{rank}.log"
         with log.open("w") as fh:
             procs.append(
                 subprocess.Popen(
                     [python, *entry, *args],
-                    env=rank_env,
+                    env=process_env,
                     stdout=fh,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,

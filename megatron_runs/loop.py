@@ -29,8 +29,11 @@ from megatron_runs.anomaly import (  # noqa: E402
     LossTrend,
     SkipBudget,
     StepOutcome,
+    StragglerWatch,
     clean_record,
     judge,
+    node_busy,
+    straggler_record,
 )
 from megatron_runs.data import MicroBatch, build_microbatches, to_device  # noqa: E402
 from megatron_runs.metrics import StepReport  # noqa: E402
@@ -77,6 +80,8 @@ class _Step:
     interval: int
     #: Per node of the job: nonzero where a device of that node made non-finite gradients.
     made_nan: list[float]
+    #: Per global rank: its busy time this step (before the all-reduce).
+    rank_busy: list[float]
     #: The step's global sample indices and each one's own loss.
     indices: tuple[int, ...]
     sample_losses: list[float]
@@ -115,6 +120,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     budget = SkipBudget(
         spec.recovery.skipped_updates_budget, spec.recovery.skipped_updates_window_steps
     )
+    stragglers = StragglerWatch(spec.recovery.straggler_ratio, spec.recovery.straggler_steps)
     clock.mark("other")
     tr.log(
         "train_start", step=tr.step, cursor=tr.cursor, target=target, layout=tr.layout, cpu=CPU,
@@ -129,6 +135,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
         tr.step, tr.cursor = done.step, done.cursor
         losses.append(done.loss)
         bad = _judge(spec, ctx, tr, done, trend, after_bad=bad is not None)
+        _judge_nodes(ctx, tr, done, stragglers)
         _report(spec, tr, plan, done, bad is not None)
         if bad is not None and bad.update_skipped and budget.add(done.step):
             _stop_on_budget(ctx, tr, budget, bad)
@@ -196,12 +203,13 @@ def _train_step(
     ok, grad_norm, _ = tr.optimizer.step()
     busy = time.perf_counter() - step_start
     busy += tr.faults.straggle(step, busy)
-    # Loss sum, microbatch count, stop signal and the nodes that made non-finite grads:
-    # one all-reduce and one host sync per step.
+    # Loss sum, microbatch count, stop signal, the nodes that made non-finite grads and each
+    # rank's busy time: one all-reduce and one host sync per step.
     reported = float(len(out)) if plan.loss_reporter else 0.0
+    nodes, ranks = len(tr.nodes), tr.world
     stats = torch.tensor(
         [0.0, reported, float(stop.signum), float(proposed if tr.rank == 0 else 0)]
-        + [0.0] * len(tr.nodes),
+        + [0.0] * (nodes + ranks),
         dtype=torch.float64,
         device=tr.device,
     )
@@ -209,6 +217,7 @@ def _train_step(
         stats[0] = torch.stack([d["lm loss"] for d in out]).double().sum()
     if tr.local_grads[0] is not None:
         stats[STATS_FIXED + tr.node_index] = (~tr.local_grads[0]).double()
+    stats[STATS_FIXED + nodes + tr.rank] = busy
     per_sample = torch.zeros(len(taken.indices), dtype=torch.float64, device=tr.device)
     if plan.loss_reporter and out:
         place = {g: i for i, g in enumerate(taken.indices)}
@@ -218,7 +227,8 @@ def _train_step(
     torch.distributed.all_reduce(stats)
     values = stats.tolist()
     loss_sum, count, signum, interval = values[:STATS_FIXED]
-    made_nan = values[STATS_FIXED : STATS_FIXED + len(tr.nodes)]
+    made_nan = values[STATS_FIXED : STATS_FIXED + nodes]
+    per_rank_end = STATS_FIXED + nodes + ranks
     return _Step(
         step=step,
         cursor=taken.next_cursor,
@@ -230,8 +240,9 @@ def _train_step(
         signum=int(signum),
         interval=int(interval),
         made_nan=made_nan,
+        rank_busy=values[STATS_FIXED + nodes : per_rank_end],
         indices=taken.indices,
-        sample_losses=values[STATS_FIXED + len(tr.nodes) :],
+        sample_losses=values[per_rank_end:],
         busy=busy,
         wall=time.perf_counter() - step_start,
     )
@@ -324,6 +335,18 @@ def _judge(
         elif after_bad:
             anomalies.append(tr.root, clean_record(outcome, ctx.attempt, time.time()))
     return bad
+
+
+def _judge_nodes(ctx: TrainContext, tr: Trainer, done: _Step, watch: StragglerWatch) -> None:
+    """Name a node that keeps stepping slower than the others (the same on every rank);
+    global rank 0 records it, so the watchdog moves off it without waiting for scrapes."""
+    named = watch.observe(node_busy(done.rank_busy, tr.rank_nodes, tr.nodes))
+    for node, ratio in named.items():
+        record = straggler_record(done.step, node, ratio, watch.steps, ctx.attempt, time.time())
+        if tr.rank == 0:
+            anomalies.append(tr.root, record)
+        tr.log("straggler", step=done.step, node=node, ratio=round(ratio, 3),
+               window_steps=watch.steps)  # fmt: skip
 
 
 def _stop_on_budget(

@@ -114,9 +114,11 @@ class Trainer:
     #: The training samples by global sample index, and the valid samples (data.split).
     source: Source
     valid: Source | None
-    #: The job's nodes in rank order, and this rank's node's place among them.
+    #: The job's nodes in rank order, this rank's node's place among them, and every global
+    #: rank's (the step's all-reduce carries per-rank figures the loop reads per node).
     nodes: list[str]
     node_index: int
+    rank_nodes: tuple[int, ...]
     faults: Faults
     #: Whether this rank's own gradients were all finite before reduction (a 0-d bool tensor
     #: written by the grad-finalize hook; stays None with overlapped grad reduction).
@@ -160,7 +162,7 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     model, config = build_model(spec, bf16)
     optimizer = build_optimizer(spec, model, bf16)
     clock.mark("model_and_optimizer")
-    nodes = _job_nodes(ctx.node)
+    nodes, rank_nodes = _job_nodes(ctx.node)
     faults = Faults.for_process(spec, ctx.node, rank, ctx.checkpoint_dir, local_rank, nodes)
     # Every rank checks whether its own gradients were finite before reduction (after it,
     # every rank holds the NaN, and only this tells where it was made); the step's all-reduce
@@ -184,7 +186,8 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
         metrics.on_resumed_eval(last_eval)
     return Trainer(
         log=log, rank=rank, world=world, device=device, model=model, optimizer=optimizer,
-        source=source, valid=valid, nodes=nodes, node_index=nodes.index(ctx.node), faults=faults,
+        source=source, valid=valid, nodes=nodes, node_index=nodes.index(ctx.node),
+        rank_nodes=rank_nodes, faults=faults,
         local_grads=local_grads, dp_rank=ps.get_data_parallel_rank(), dp_size=dp_size,
         layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": dp_size},
         features={
@@ -229,12 +232,14 @@ def init_model_parallel(spec: RunSpec) -> None:
     )
 
 
-def _job_nodes(node: str) -> list[str]:
-    """Every node of this process group, in rank order without repeats: the log then says
-    where each attempt ran (a sick node's fault strikes only where a job lands on it)."""
-    names: list[str | None] = [None] * torch.distributed.get_world_size()
+def _job_nodes(node: str) -> tuple[list[str], tuple[int, ...]]:
+    """Every node of this process group, in rank order without repeats (the log then says
+    where each attempt ran: a sick node's fault strikes only where a job lands on it), and
+    each global rank's node as its place among them."""
+    names: list[str] = [""] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(names, node)
-    return list(dict.fromkeys(n for n in names if n is not None))
+    nodes = list(dict.fromkeys(names))
+    return nodes, tuple(nodes.index(n) for n in names)
 
 
 def _data(spec: RunSpec) -> tuple[Source, Source | None]:

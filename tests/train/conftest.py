@@ -46,6 +46,7 @@ def run_train(nw_home: Path, tmp_path_factory: pytest.TempPathFactory) -> RunFn:
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
         memory_tiers: list[tuple[int, ...]] | None = None,
+        rank_env: list[dict[str, str]] | None = None,
     ) -> LocalRun:
         p = spec["parallelism"]
         nproc = p["tensor"] * p["pipeline"] * p["data"]
@@ -54,6 +55,8 @@ def run_train(nw_home: Path, tmp_path_factory: pytest.TempPathFactory) -> RunFn:
         spec_path.write_text(yaml.safe_dump(spec))
         args = ["--spec", str(spec_path), "--checkpoint-dir", str(ckpt), *(extra or [])]
         run_env = {"NIGHTWATCH_HOME": str(nw_home), "PYTHONWARNINGS": "ignore", **(env or {})}
-        return launch(args, nproc, work / "logs", env=run_env, memory_tiers=memory_tiers)
+        return launch(
+            args, nproc, work / "logs", env=run_env, memory_tiers=memory_tiers, rank_env=rank_env
+        )
 
     return start

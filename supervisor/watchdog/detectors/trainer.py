@@ -13,7 +13,8 @@ interval. From it:
   bounds them), unless one node made non-finite gradients `node_nonfinite_strikes` times in the
   attempt: a NONFINITE finding naming that node;
 - the trainer's stop on its budget (exit 79) is a NONFINITE finding naming the nodes, else the
-  bad samples of the steps it counted, else those steps' samples.
+  bad samples of the steps it counted, else those steps' samples;
+- a node the trainer named a straggler is a STRAGGLER finding naming it, while the job runs.
 Contained episodes become incidents with their evidence and no remedy (`contained`).
 """
 
@@ -23,7 +24,16 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from contracts.anomalies import CLEAN, NONFINITE, SPIKE, STOP, Anomaly, Ranges, merge_ranges
+from contracts.anomalies import (
+    CLEAN,
+    NONFINITE,
+    SPIKE,
+    STOP,
+    STRAGGLER,
+    Anomaly,
+    Ranges,
+    merge_ranges,
+)
 from contracts.metric_names import WINDOW_STEPS
 from contracts.spec import RecoverySpec
 from supervisor.watchdog.detectors.common import job_running
@@ -213,12 +223,37 @@ def detect_skip_budget(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     return [_budget_finding(stops[-1], snap.anomalies, snap)]
 
 
+def _straggler_finding(record: Anomaly) -> Finding:
+    node = record.nodes[0]
+    first = max(record.step - record.window_steps + 1, 1)
+    return Finding(
+        kind=FindingKind.STRAGGLER,
+        summary=(
+            f"trainer: node {node} steps {record.ratio or 0:.2f}× slower than the others "
+            f"(median of steps {first}-{record.step})"
+        ),
+        cause=Cause.NODE,
+        nodes=(node,),
+        evidence={
+            "source": "trainer",
+            "record": record.key,
+            "ratio": record.ratio,
+            "window_steps": record.window_steps,
+        },
+        fault_time=record.t,
+        first_bad_step=first,
+    )
+
+
 def detect_trainer_anomalies(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
-    """Spikes over (or long), and nodes past their strikes, from the trainer's record."""
+    """Spikes over (or long), nodes past their strikes and stragglers, from the trainer's
+    record."""
     out: list[Finding] = []
     node = _node_strikes(snap.anomalies, snap, rc)
     if node is not None:
         out.append(node)
+    if job_running(snap):
+        out += [_straggler_finding(a) for a in snap.anomalies if a.kind == STRAGGLER]
     for episode in episodes(snap.anomalies, SPIKE):
         over = _over(snap, episode)
         if over and len(episode.records) <= rc.tolerate_spike_steps:
