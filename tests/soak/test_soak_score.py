@@ -100,6 +100,14 @@ def test_rollback_fault_scored_against_reference() -> None:
     assert nw.loss_rel_diff == 0.0
     assert nw.ettr == 100 * 1.0 / 242  # 100 good steps × 1 s / wall
     assert nw.ettr_vs_reference == 102 / 242
+    assert nw.ettr_vs_reference_paced == 102 / 242  # both at 1 s a step
+    slower = run([(0.0, 0, 100, "1/1")])  # the same reference, its machine 2× slower
+    slower.steps = [replace(e, t=2 * e.t) for e in slower.steps]
+    paced = score_system(
+        "nightwatch", injections=[], progress=p, remedies=[], escalations=0, submit_t=-2.0,
+        end_t=240.0, target_steps=100, reference=slower, reference_submit_t=-4.0,
+    )  # fmt: skip
+    assert paced.ettr_vs_reference == 204 / 242 and paced.ettr_vs_reference_paced == 102 / 242
     text = comparison([nw])
     assert "rollback" in text and "ETTR" in text
 
