@@ -121,6 +121,16 @@ def all_finished_at(records: Sequence[tuple[int, int, int]], world_size: int) ->
     return records[-1][0] / 1e9
 
 
+def all_checkpointed(records: Sequence[tuple[int, int, int]], world_size: int) -> bool:
+    """Every one of an attempt's `world_size` ranks exited, none failed, and one at least
+    checkpointed on a stop signal (75): the attempt ended to be requeued, though SLURM may
+    still list its job for the moments its node tasks take to leave."""
+    codes = {code for _, _, code in records}
+    return (
+        len(records) == world_size and codes <= exitcodes.CLEAN_EXITS and exitcodes.REQUEUE in codes
+    )
+
+
 def failed_exit(codes: Sequence[tuple[int, int]]) -> int | None:
     """The code of the first rank that failed, None if none did. The first failure is the
     cause, later ones its consequences (as the node task judges, `worker.ranks.node_outcome`).

@@ -34,6 +34,7 @@ from contracts.checkpoints import (
 )
 from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
 from contracts.restart import (
+    all_checkpointed,
     all_finished_at,
     exit_records,
     failed_exit,
@@ -247,7 +248,10 @@ class Observer:
     ) -> JobStatus | None:
         """The attempt as its ranks left it: with restarts inside the job, a job's node tasks
         outlive ranks that failed (they wait for a restart order), so SLURM still says
-        RUNNING; the ranks' exit codes in the attempt's folder say the attempt failed.
+        RUNNING; the ranks' exit codes in the attempt's folder say the attempt failed. Ranks
+        that all exited with none failing and one at least checkpointed on a stop signal
+        (`all_checkpointed`) ended the attempt for a requeue (FAILED 75, as SLURM will say once
+        the node tasks are gone): the next job is submitted without waiting for that.
 
         A job whose ranks all finished and that SLURM still runs LINGER_S after the last of
         them is held by a node it cannot reach: a job that holds spares runs `--no-kill`, and
@@ -271,6 +275,13 @@ class Observer:
                 state=JobState.COMPLETED,
                 exit_code=exitcodes.OK,
                 reason=f"every rank finished {now - finished:.0f} s ago; the job lingers",
+            )
+        if all_checkpointed(records, spec.resources.world_size):
+            return dataclasses.replace(
+                status,
+                state=JobState.FAILED,
+                exit_code=exitcodes.REQUEUE,
+                reason="every rank checkpointed on a stop signal (exit 75); the job is ending",
             )
         code = failed_exit([(rank, code) for _, rank, code in records])
         if code is None:

@@ -236,6 +236,34 @@ def test_a_bad_node_without_a_spare_left_resubmits(db: Database, tmp_path: Path)
     assert in_job_actions(db, run_id) == []
 
 
+def test_ranks_that_all_checkpointed_on_a_stop_signal_are_requeued_before_slurm_ends_the_job(
+    db: Database, tmp_path: Path
+) -> None:
+    """A walltime or preemption warning: every rank saved and exited 75 while SLURM still
+    lists the job for its node tasks' last moments. The attempt has ended to be requeued: the
+    next job is submitted at that tick (the ending job cancelled first, as every job SLURM
+    still lists is before a resubmission). Before the last rank's code (it may still be
+    saving), nothing of the sort."""
+    rec, cluster, _source, run_id, job = running(db, tmp_path)
+    spec = RunSpec.model_validate(SPEC)
+    write_checkpoint(checkpoint_dir(tmp_path / "home", run_id, spec), 300, 2400)
+    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
+    folder.mkdir(parents=True)
+    codes = [exit_code_path(folder, job, rank) for rank in range(spec.resources.world_size)]
+    for path in codes[:-1]:
+        path.write_text("75")
+    rec.tick()
+    assert len(cluster.submitted) == 1 and attempts(db, run_id)[0].state is AttemptState.RUNNING
+    codes[-1].write_text("0")  # a rank at its last step finished: still a requeue
+    result = rec.tick()
+    assert result.remedies[run_id].kind is RemedyKind.REQUEUE
+    assert len(cluster.submitted) == 2 and cluster.cancelled == [job]
+    first, second = attempts(db, run_id)
+    assert (first.state, first.exit_code) == (AttemptState.PREEMPTED, 75)
+    assert first.end_reason.startswith("every rank checkpointed on a stop signal (exit 75)")
+    assert second.number == 2 and second.job_id == cluster.submitted[-1][0]
+
+
 def test_a_job_whose_ranks_all_finished_but_lingers_completes_the_run(
     db: Database, tmp_path: Path
 ) -> None:
@@ -253,8 +281,8 @@ def test_a_job_whose_ranks_all_finished_but_lingers_completes_the_run(
         path.write_text("0")
     rec.tick()
     assert get_run(db, run_id).state is RunState.RUNNING  # finished just now: SLURM ends it
-    codes[0].write_text("75")  # checkpointed on a stop signal: not finished
-    for path in codes:
+    codes[0].unlink()  # one rank not ended yet
+    for path in codes[1:]:
         os.utime(path, (time.time() - LINGER_S, time.time() - LINGER_S))
     rec.tick()
     assert get_run(db, run_id).state is RunState.RUNNING and cluster.cancelled == []
