@@ -14,7 +14,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -237,7 +237,9 @@ class PrometheusSource:
     scrape loops at most every 5 s, so a new attempt's first scrape came 1-6 s after its
     endpoint registered, and every restart's recovery (and any fault early in the attempt)
     was seen that much later. The bridged samples go into the same window; once Prometheus
-    has the attempt's series the bridge stops for it.
+    has the attempt's series the bridge stops for it. A probed attempt (`collect`'s `probe`:
+    its hang limit ran out) is scraped through the bridge too, so its stillness is read when
+    the limit ends instead of up to a scrape interval later.
     """
 
     name = "prometheus"
@@ -290,8 +292,12 @@ class PrometheusSource:
 
         return once()
 
-    def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]:
-        """Fetch what arrived since the previous tick; DOWN for every key if a query fails."""
+    def collect(
+        self, keys: Sequence[RunKey], now: float, probe: Collection[RunKey] = ()
+    ) -> dict[RunKey, MetricsView]:
+        """Fetch what arrived since the previous tick, and scrape directly the attempts
+        Prometheus has not scraped yet and those in `probe`; DOWN for every key if a query
+        fails."""
         since = self._last_query_t
         if since is None:
             since = now - self.history.window_s
@@ -330,7 +336,9 @@ class PrometheusSource:
         failed = _failed_scrapes(dark, wanted)
         first_failed = self._failing_since(failed, now)
         self._scraped_by_prometheus &= set(keys)
-        bridged = self._bridge([k for k in keys if k not in self._scraped_by_prometheus])
+        bridged = self._bridge(
+            [k for k in keys if k not in self._scraped_by_prometheus or k in probe]
+        )
         if bridged is not None:
             behind |= bridged.lagging
             # A host that froze before Prometheus scraped its attempt fails all the same.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -147,7 +147,10 @@ class ScrapeSource:
                 out.lagging[key] = [node for node, step in entered.items() if step < furthest]
         return out
 
-    def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]:
+    def collect(
+        self, keys: Sequence[RunKey], now: float, probe: Collection[RunKey] = ()
+    ) -> dict[RunKey, MetricsView]:
+        """Scrape every endpoint of `keys` (so `probe` asks nothing more)."""
         scraped = self.scrape_round(keys)
         for key, sample in scraped.samples.items():
             self.history.add(key, sample)

@@ -7,7 +7,7 @@ detectors cannot tell a Prometheus answer from a direct scrape; `LossPoint`s for
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -119,11 +119,15 @@ class LossPoint:
 
 
 class MetricSource(Protocol):
-    """What the reconciler asks each tick: views for the active (run, attempt) pairs."""
+    """What the reconciler asks each tick: views for the active (run, attempt) pairs. `probe`:
+    pairs whose endpoints should be read now, not at the next scrape (a hang limit that ran
+    out); a source that reads every endpoint each tick has nothing more to do for them."""
 
     name: str
 
-    def collect(self, keys: Sequence[RunKey], now: float) -> dict[RunKey, MetricsView]: ...
+    def collect(
+        self, keys: Sequence[RunKey], now: float, probe: Collection[RunKey] = ()
+    ) -> dict[RunKey, MetricsView]: ...
 
 
 def dark_after(scrape_interval_s: float | None) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -156,8 +156,11 @@ class Observer:
         self._timings = {k: v for k, v in self._timings.items() if k in keep}
         return world
 
-    def read_sources(self, world: World, now: float) -> None:
-        """One SLURM poll for every current job, one metrics collection for every active run.
+    def read_sources(
+        self, world: World, now: float, probe: Collection[tuple[str, int]] = ()
+    ) -> None:
+        """One SLURM poll for every current job, one metrics collection for every active run
+        (reading the endpoints of the `probe` runs now: `MetricSource.collect`).
         A source that fails reads as down, never as healthy."""
         watched_ids = {r.id for r in world.watched}
         job_ids = [a.job_id for k, a in world.attempts.items() if a.job_id and k in watched_ids]
@@ -172,7 +175,7 @@ class Observer:
         keys = [(r.id, r.current_attempt) for r in active]
         try:
             mark = time.perf_counter()
-            world.views = self.source.collect(keys, now)
+            world.views = self.source.collect(keys, now, probe=[k for k in keys if k in probe])
             world.phases["metrics"] = time.perf_counter() - mark
         except Exception as exc:  # a source bug must read as "down", never as "healthy"
             log.warning(f"metrics source failed: {exc}")

@@ -42,7 +42,13 @@ from supervisor.settings import Settings
 from supervisor.slurm import Cluster, JobState, SourceUnavailable, make_cluster
 from supervisor.watchdog import policy, strays
 from supervisor.watchdog.actions import ActContext, ActionKind, Actuator, ActuatorConfig
-from supervisor.watchdog.detectors import contained, detect_all, unremedied_spikes, verdict_due
+from supervisor.watchdog.detectors import (
+    contained,
+    detect_all,
+    hang_probe_at,
+    unremedied_spikes,
+    verdict_due,
+)
 from supervisor.watchdog.lease import Deposed, LeaseGuard
 from supervisor.watchdog.ledger import Ledger
 from supervisor.watchdog.notify import Notifier
@@ -170,6 +176,11 @@ class Reconciler:
         self._evidence: set[Path] = set()
         #: The soonest verdict the last tick saw coming (`verdict_due`, wall clock), if any.
         self._verdict_due: float | None = None
+        #: Per (run, attempt), when its hang limit runs out and the step it runs from
+        #: (`hang_probe_at`), as the last tick saw it; and the step each was last probed at:
+        #: a stall is probed once, at the tick its limit has run out by.
+        self._probe_at: dict[tuple[str, int], tuple[float, float]] = {}
+        self._probed: dict[tuple[str, int], float] = {}
 
     # ------------------------------------------------------------------ loop
 
@@ -232,13 +243,14 @@ class Reconciler:
         now = self.clock()
         self._evidence = set()
         self._verdict_due = None
+        probe = self._due_probes(now)
         result = TickResult(leader=self.lease.acquire())
         if not result.leader:
             return result
         self.notifier.wake()  # the leader sends what is due, an earlier process's too
         self.telemetry.tick_started()
         try:
-            self._tick(result, now)
+            self._tick(result, now, probe)
         except Deposed as exc:  # another replica acts now; what this one began, it resumes
             log.warning(f"{exc}: this replica stops acting")
             result.leader = False
@@ -250,7 +262,23 @@ class Reconciler:
         )
         return result
 
-    def _tick(self, result: TickResult, now: float) -> None:
+    def _due_probes(self, now: float) -> set[tuple[str, int]]:
+        """The runs whose hang limit has run out (as the last tick saw them) at a step not
+        probed yet: their endpoints are read this tick, each stall once."""
+        due = {
+            key
+            for key, (at, step_ts) in self._probe_at.items()
+            if at <= now and self._probed.get(key) != step_ts
+        }
+        self._probed = {
+            key: step_ts
+            for key, (_, step_ts) in self._probe_at.items()
+            if key in due or self._probed.get(key) == step_ts
+        }
+        self._probe_at = {}
+        return due
+
+    def _tick(self, result: TickResult, now: float, probe: set[tuple[str, int]]) -> None:
         self._node_requests()  # before any submission, which must avoid an excluded node
         self._list_nodes()
         world = self.observer.read_db()
@@ -258,7 +286,7 @@ class Reconciler:
         for run in world.pending:
             attempt = world.attempts.get(run.id)
             self._isolated(result, run, "submit failed", self._pending, run, attempt, now, result)
-        self.observer.read_sources(world, now)
+        self.observer.read_sources(world, now, probe)
         result.slurm_up, result.metrics_up = world.slurm_up, world.metrics_up
         result.phases.update(world.phases)
         mark = time.perf_counter()
@@ -433,6 +461,12 @@ class Reconciler:
         # detect
         findings = detect_all(snap, spec.recovery)
         due = verdict_due(snap, spec.recovery)
+        probe_at = hang_probe_at(snap, spec.recovery)
+        if probe_at is not None:
+            key = (snap.run_id, snap.attempt)
+            self._probe_at[key] = probe_at
+            if self._probed.get(key) != probe_at[1]:
+                due = min(probe_at[0], due if due is not None else probe_at[0])
         if due is not None and due > now:
             self._verdict_due = min(due, self._verdict_due or due)
         if not findings:

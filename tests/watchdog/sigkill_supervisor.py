@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -145,7 +145,9 @@ class NoMetrics:
 
     name = "scrape"
 
-    def collect(self, keys: Sequence[tuple[str, int]], now: float) -> dict:
+    def collect(
+        self, keys: Sequence[tuple[str, int]], now: float, probe: Collection[tuple[str, int]] = ()
+    ) -> dict:
         return {k: MetricsView(SourceHealth.MISSING) for k in keys}
 
 

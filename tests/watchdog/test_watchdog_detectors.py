@@ -26,6 +26,7 @@ from supervisor.watchdog.detectors import (
     detect_straggler,
     detect_throughput_drop,
     hang_due,
+    hang_probe_at,
     startup_limit,
     straggler_due,
     verdict_due,
@@ -275,6 +276,11 @@ def test_hang_due_is_when_the_first_sample_past_the_limit_can_be_read(rc: Recove
     assert hang_due(blind, small) is None
     done = snapshot(seen, job_state=AttemptState.COMPLETED)
     assert hang_due(done, small) is None and hang_due(snapshot([]), small) is None
+    # The endpoints can be read (probed) the moment the limit runs out, scrape or none.
+    last = seen[-1].last_step_ts
+    assert hang_probe_at(snapshot(seen), small) == (last + 2.0, last)
+    assert hang_probe_at(snapshot(gapped), small) == (last + 3.0, last)
+    assert hang_probe_at(done, small) is None and hang_probe_at(snapshot([]), small) is None
 
 
 def test_the_hang_limit_stays_above_the_longest_gap_the_run_has_shown(rc: RecoverySpec) -> None:

@@ -661,3 +661,36 @@ def test_prometheus_source_names_the_node_that_never_began_the_step(
     assert view.lagging_nodes == ("n2",)
     (hang,) = [f for f in detect_all(_snapshot(R1, view, now), rc) if f.kind is FindingKind.HANG]
     assert hang.nodes == ("n2",) and "n2 never began it" in hang.summary
+
+
+def test_a_probe_reads_a_stall_from_the_endpoints_before_the_next_scrape(
+    prometheus: PrometheusServer, exporters: tuple[Exporter, Exporter]
+) -> None:
+    """A hang's limit runs out between two of Prometheus's scrapes. Probed, the source reads
+    the attempt's endpoints at once: the view's newest sample is the probe's (taken after
+    the call began, so later than any scrape Prometheus holds), it names the node that never
+    began the step, and the hang finding follows with it."""
+    e1, e2 = exporters
+
+    def registered() -> list[Target]:
+        return [
+            Target("r1", 1, "n1", "127.0.0.1", e1.port),
+            Target("r1", 1, "n2", "127.0.0.1", e2.port),
+        ]
+
+    rc = RecoverySpec(hang_floor_seconds=0.1, hang_factor=2.0)  # limit: 2 steps of 0.1 s
+    source = PrometheusSource(
+        prometheus.url, stale_after_s=5.0, bridge=ScrapeSource(registered, stale_after_s=5.0)
+    )
+    with FakeTrainer(*exporters) as trainer:
+        prometheus.wait_for_series('nightwatch_train_step_entered{node="n2"}')
+        time.sleep(1.5)
+        assert source.collect([R1], time.time())[R1].health is SourceHealth.UP
+        trainer.hung_node = "n2"
+        time.sleep(0.5)
+        asked = time.time()
+        view = source.collect([R1], asked, probe=[R1])[R1]
+    newest = view.samples[-1]
+    assert newest.t >= asked and view.lagging_nodes == ("n2",)
+    (hang,) = [f for f in detect_all(_snapshot(R1, view, asked), rc) if f.kind is FindingKind.HANG]
+    assert hang.nodes == ("n2",)

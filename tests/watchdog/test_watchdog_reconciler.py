@@ -847,9 +847,10 @@ def _wait_for(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 def test_the_loop_ticks_when_a_hang_verdict_becomes_possible(db: Database, tmp_path: Path) -> None:
     """A run whose last step was 58 s ago under a 60 s hang limit: the loop's next tick comes
-    when a scrape can show the limit passed (`hang_due`: about 3 s away), not at the tick
-    that is due in 60 s. No verdict comes (the samples never show the stillness): the loop
-    looks again at the next sample while one still could (a failing node settling as dark)."""
+    when the limit runs out (`hang_probe_at`: 2 s away), not at the tick that is due in 60 s,
+    and asks the source to read the run's endpoints then (a probe, once for this stall). No
+    verdict comes (the samples never show the stillness): the loop looks again at the next
+    sample (`hang_due`) while one still could (a failing node settling as dark)."""
     cluster, source = FakeCluster(), FakeSource()
     rec = make(db, tmp_path, cluster, source, tick_seconds=60.0)
     run_id = new_run(db)
@@ -865,9 +866,12 @@ def test_the_loop_ticks_when_a_hang_verdict_becomes_possible(db: Database, tmp_p
     rec.start()
     try:
         _wait_for(lambda: len(ticks) >= 2)
-        assert ticks[1] >= last + 60 + 1.0  # the limit, and the next scrape (1 s apart here)
+        assert ticks[1] >= last + 60  # the limit
         # No verdict: the loop looks again as the next sample can be read, not 60 s later
         # (when it stops looking: test_watchdog_detectors, `hang_due`).
-        _wait_for(lambda: len(ticks) >= 3)
+        _wait_for(lambda: len(ticks) >= 4)
     finally:
         rec.stop()
+    ((asked_at, probed),) = source.probes  # this stall's endpoints read once, at the limit
+    assert probed == ((run_id, 1),) and asked_at >= last + 60
+    assert ticks[2] >= last + 60 + 1.0  # the next scrape (1 s apart here)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -148,8 +148,14 @@ class FakeSource:
     name: str = "prometheus"
     samples: dict[tuple[str, int], list[MetricSample]] = field(default_factory=dict)
     down: bool = False
+    #: Each collection's probed keys and the time it was asked at.
+    probes: list[tuple[float, tuple[tuple[str, int], ...]]] = field(default_factory=list)
 
-    def collect(self, keys: Sequence[tuple[str, int]], now: float) -> dict:
+    def collect(
+        self, keys: Sequence[tuple[str, int]], now: float, probe: Collection[tuple[str, int]] = ()
+    ) -> dict:
+        if probe:
+            self.probes.append((now, tuple(sorted(probe))))
         out = {}
         for k in keys:
             if self.down:

@@ -283,6 +283,20 @@ def longest_gap(view: MetricsView) -> float | None:
     return max(gaps, default=None)
 
 
+def hang_probe_at(snap: Snapshot, rc: RecoverySpec) -> tuple[float, float] | None:
+    """When (wall clock) the hang limit after the newest step runs out, and that step's time:
+    the moment to read the job's endpoints directly (`MetricSource.collect`'s `probe`)
+    rather than wait up to a scrape interval for a sample that shows the stillness. None
+    when the job does not run or no step was seen."""
+    samples = snap.metrics.samples
+    if not job_running(snap) or not samples:
+        return None
+    last = samples[-1].last_step_ts
+    if last is None or last <= 0:
+        return None
+    return last + hang_limit(median_step_time(samples), rc, longest_gap(snap.metrics)), last
+
+
 def hang_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
     """When (wall clock) `detect_hang` can first see a hang if no step comes: when the first
     sample taken past the limit after the last step can be read (`next_read`); while one of
