@@ -336,9 +336,8 @@ class PrometheusSource:
         failed = _failed_scrapes(dark, wanted)
         first_failed = self._failing_since(failed, now)
         self._scraped_by_prometheus &= set(keys)
-        bridged = self._bridge(
-            [k for k in keys if k not in self._scraped_by_prometheus or k in probe]
-        )
+        unseen = [k for k in keys if k not in self._scraped_by_prometheus]
+        bridged = self._bridge(unseen, [k for k in keys if k in probe and k not in unseen])
         if bridged is not None:
             behind |= bridged.lagging
             # A host that froze before Prometheus scraped its attempt fails all the same.
@@ -363,13 +362,14 @@ class PrometheusSource:
             log.warning(f"prometheus query failed: {type(exc).__name__}: {exc}")
             return {}
 
-    def _bridge(self, unseen: Sequence[RunKey]) -> ScrapeRound | None:
-        """Scrape the attempts Prometheus has not yet; their samples go into the same window
-        (what else the round found, the caller merges: lagging nodes are a gauge, replaced
-        every tick, and failing nodes go with Prometheus's own)."""
-        if self.bridge is None or not unseen:
+    def _bridge(self, unseen: Sequence[RunKey], probed: Sequence[RunKey]) -> ScrapeRound | None:
+        """Scrape the attempts Prometheus has not yet, and the probed ones (with the probe's
+        short timeout); their samples go into the same window (what else the round found,
+        the caller merges: lagging nodes are a gauge, replaced every tick, and failing nodes
+        go with Prometheus's own)."""
+        if self.bridge is None or not (unseen or probed):
             return None
-        scraped = self.bridge.scrape_round(unseen)
+        scraped = self.bridge.scrape_round([*unseen, *probed], probe=probed)
         for key, sample in scraped.samples.items():
             self.history.add(key, sample)
         for key, nodes in scraped.nonfinite.items():

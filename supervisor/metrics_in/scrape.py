@@ -30,6 +30,11 @@ from supervisor.metrics_in.types import MetricSample, MetricsView, RunKey, Sourc
 
 log = logging.getLogger("nightwatch.metrics_in")
 
+#: How long a probe waits for an endpoint (`scrape_round`'s `probe`): a training node answers
+#: on loopback or its network in milliseconds, and a probe that waited as long as a scrape
+#: for a frozen host would hold the tick that asked, and the verdict, that much longer.
+PROBE_TIMEOUT_S = 0.5
+
 
 @dataclass(frozen=True)
 class Target:
@@ -96,11 +101,14 @@ class ScrapeSource:
     def close(self) -> None:
         self._client.close()
 
-    def _scrape(self, target: Target) -> tuple[dict[str, float] | None, float]:
+    def _scrape(
+        self, target: Target, timeout_s: float | None = None
+    ) -> tuple[dict[str, float] | None, float]:
         """The endpoint's values (None when the scrape failed) and how long it took."""
         started = time.monotonic()
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
         try:
-            resp = self._client.get(f"http://{target.host}:{target.port}/metrics")
+            resp = self._client.get(f"http://{target.host}:{target.port}/metrics", timeout=timeout)
             resp.raise_for_status()
             return parse_exposition(resp.text), time.monotonic() - started
         except (httpx.HTTPError, ValueError) as exc:
@@ -110,12 +118,19 @@ class ScrapeSource:
             )
             return None, time.monotonic() - started
 
-    def scrape_round(self, keys: Sequence[RunKey]) -> ScrapeRound:
-        """Scrape every registered endpoint of `keys` once (in parallel)."""
+    def scrape_round(
+        self, keys: Sequence[RunKey], probe: Collection[RunKey] = ()
+    ) -> ScrapeRound:
+        """Scrape every registered endpoint of `keys` once (in parallel), those of the `probe`
+        attempts with PROBE_TIMEOUT_S."""
         wanted = set(keys)
         targets = [t for t in self.targets() if t.key in wanted]
+
+        def scrape(target: Target) -> tuple[dict[str, float] | None, float]:
+            return self._scrape(target, PROBE_TIMEOUT_S if target.key in probe else None)
+
         with ThreadPoolExecutor(self._parallel) as pool:
-            scraped = list(pool.map(self._scrape, targets))
+            scraped = list(pool.map(scrape, targets))
         t = time.time()
         by_key: dict[RunKey, list[tuple[Target, dict[str, float] | None]]] = {}
         took: dict[Target, float] = {}

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from prom_harness import Exporter, PrometheusServer
 
@@ -32,6 +33,7 @@ from supervisor.metrics_in.promql import (
     parse_series,
 )
 from supervisor.metrics_in.samples import REFUSED_WITHIN_S, SampleHistory
+from supervisor.metrics_in.scrape import PROBE_TIMEOUT_S
 from supervisor.models import AttemptState
 from supervisor.watchdog.detectors import detect_all, detect_nonfinite
 from supervisor.watchdog.policy import decide
@@ -694,3 +696,18 @@ def test_a_probe_reads_a_stall_from_the_endpoints_before_the_next_scrape(
     assert newest.t >= asked and view.lagging_nodes == ("n2",)
     (hang,) = [f for f in detect_all(_snapshot(R1, view, asked), rc) if f.kind is FindingKind.HANG]
     assert hang.nodes == ("n2",)
+
+
+def test_a_probe_waits_less_for_an_endpoint_than_a_scrape() -> None:
+    """A probe's requests carry PROBE_TIMEOUT_S (a frozen host must not hold the tick for a
+    scrape's timeout), the other attempts' the client's own."""
+    asked: dict[int, float] = {}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked[request.url.port] = request.extensions["timeout"]["read"]  # type: ignore[index]
+        return httpx.Response(200, text="nightwatch_train_step 1\n")
+
+    client = httpx.Client(transport=httpx.MockTransport(answer), timeout=2.0)
+    targets = [Target("r1", 1, "n1", "127.0.0.1", 9001), Target("r2", 1, "n1", "127.0.0.1", 9002)]
+    ScrapeSource(lambda: targets, client=client).scrape_round([R1, ("r2", 1)], probe=[R1])
+    assert asked == {9001: PROBE_TIMEOUT_S, 9002: 2.0}
