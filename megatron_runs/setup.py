@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -201,9 +202,32 @@ def set_up(spec: RunSpec, ctx: TrainContext, clock: SetupClock) -> Trainer:
     )  # fmt: skip
 
 
+#: How often a rank looks for the master's store before it joins: torch's client retries a
+#: refused connection with a jittered backoff, which measured 0.3-0.6 s here when the master
+#: came up 50-300 ms after the rank (a restart whose master node reaps its old ranks first).
+MASTER_POLL_S = 0.01
+#: How long it looks; then torch's rendezvous goes on as it would have (with its timeout).
+MASTER_WAIT_S = 120.0
+
+
+def wait_for_master(addr: str, port: int, timeout_s: float = MASTER_WAIT_S) -> bool:
+    """Return once the master's TCP store accepts a connection (True), or after `timeout_s`
+    (False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(MASTER_POLL_S)
+
+
 def init_distributed() -> tuple[int, int, int, torch.device]:
     """This rank's place (RANK, WORLD_SIZE, LOCAL_RANK) and device; the process group joined
-    over gloo on CPU, NCCL on GPU."""
+    over gloo on CPU, NCCL on GPU (a rank other than the master first waits for the master's
+    store: `wait_for_master`)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -217,6 +241,8 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
         device = torch.device("cuda", local_rank)
         backend = "nccl"
     if not torch.distributed.is_initialized():
+        if rank != 0:
+            wait_for_master(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         torch.distributed.init_process_group(
             backend=backend, rank=rank, world_size=world, device_id=None if CPU else device
         )
