@@ -32,8 +32,8 @@ SPIKE = "spike"  # the step's loss far above its recent trend: the update was ap
 CLEAN = "clean"
 #: The line written when the trainer stops on its budget of skipped updates.
 STOP = "skip_budget"
-#: A node whose busy time per step stayed above `straggler_ratio` × the other nodes' over the
-#: last `straggler_steps` steps (`nodes` names it, `ratio` says by how much).
+#: A node whose busy time per step was above `straggler_ratio` × the other nodes' in more than
+#: half of the last `straggler_steps` steps (`nodes` names it, `ratio` says by how much).
 STRAGGLER = "straggler"
 
 Ranges = tuple[tuple[int, int], ...]
@@ -62,7 +62,7 @@ class Anomaly:
     #: (for STRAGGLER: the steps judged, ending at `step`).
     skipped_updates: int = 0
     window_steps: int = 0
-    #: For STRAGGLER: the node's median step time over the window / the other nodes'.
+    #: For STRAGGLER: the median of the node's step time / the other nodes' over its slow steps.
     ratio: float | None = None
 
     @property
