@@ -304,14 +304,11 @@ def hang_due(snap: Snapshot, rc: RecoverySpec) -> float | None:
     for that); once that is past with no verdict, at each next sample, for as long as a
     frozen host could still show and settle. None when the job does not run, no step was
     seen, or nothing is coming."""
+    runs_out = hang_probe_at(snap, rc)
+    if runs_out is None:
+        return None
     samples = snap.metrics.samples
-    if not job_running(snap) or not samples:
-        return None
-    last = samples[-1].last_step_ts
-    if last is None or last <= 0:
-        return None
-    limit = hang_limit(median_step_time(samples), rc, longest_gap(snap.metrics))
-    shown = next_read(samples, last + limit)
+    shown = next_read(samples, runs_out[0])
     if shown is None:
         return None
     due = shown
