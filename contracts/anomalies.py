@@ -7,7 +7,9 @@ rank 0 appends one JSON line per bad step to `<checkpoint dir>/.health/anomalies
 here), one `clean` line at the first good step after bad ones (the episode is over, known before
 a scrape shows a later step), one `stop` line when it stops on its skipped-update budget, and
 one `straggler` line when a node's own step time stays above the others' (the step's
-all-reduce carries every rank's busy time, so the verdict needs no scrape either).
+all-reduce carries every rank's busy time, so the verdict needs no scrape either), and one
+`stop_signal` line at the step whose all-reduce first carries a walltime or preemption
+warning, before the save it leaves on (the supervisor prepares the next job meanwhile).
 The supervisor reads the file (torch-free) to judge onsets, skip exactly the bad samples,
 record contained faults and learn why a job ended even if no scrape saw the step.
 """
@@ -35,6 +37,9 @@ STOP = "skip_budget"
 #: A node whose busy time per step was above `straggler_ratio` × the other nodes' in more than
 #: half of the last `straggler_steps` steps (`nodes` names it, `ratio` says by how much).
 STRAGGLER = "straggler"
+#: The step at which the ranks learned of a stop signal (walltime or preemption warning):
+#: they save there and leave with exit 75, and the run is requeued.
+STOP_SIGNAL = "stop_signal"
 
 Ranges = tuple[tuple[int, int], ...]
 

@@ -390,6 +390,12 @@ class RecoverySpec(_Strict):
         "ranks inside the running job (no new sbatch, no queue wait); a node fault, or a job "
         "that is gone, resubmits as before.",
     )
+    prepare_successor: bool = Field(
+        default=True,
+        description="With restart_in_job: once the ranks learn of a walltime or preemption "
+        "warning, submit the next attempt's job at once (its nodes import the training "
+        "program and wait), so the requeue starts it by an order instead of a cold sbatch.",
+    )
     restart_wait_seconds: float = Field(
         default=120.0,
         gt=0,

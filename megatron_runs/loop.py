@@ -152,6 +152,9 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
             )  # fmt: skip
             checkpoints.interval = done.interval
         stop_requested = done.signum > 0
+        leaving = stop_requested and done.step < target  # a signal at the last step: no matter
+        if leaving:
+            _announce_stop(ctx, tr, done)
         # Not on a stop signal: its lead time is the checkpoint's (the curve misses one point).
         if t.eval_interval and done.step % t.eval_interval == 0 and not stop_requested:
             tr.last_eval = (done.step, _evaluate(spec, tr, plan, done.step))
@@ -161,8 +164,7 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
                 tr.model, tr.optimizer, tr.step, tr.cursor, done.loss, tuple(trend.losses),
                 done.wall, tr.last_eval,
             )  # fmt: skip
-        if stop_requested and done.step < target:  # a signal at the last step changes nothing
-            tr.log("stopping_on_signal", step=done.step, signal=done.signum)
+        if leaving:
             exit_code = exitcodes.REQUEUE
             break
 
@@ -347,6 +349,17 @@ def _judge_nodes(ctx: TrainContext, tr: Trainer, done: _Step, watch: StragglerWa
             anomalies.append(tr.root, record)
         tr.log("straggler", step=done.step, node=node, ratio=round(ratio, 3),
                window_steps=watch.steps)  # fmt: skip
+
+
+def _announce_stop(ctx: TrainContext, tr: Trainer, done: _Step) -> None:
+    """Record, before the save this step leaves on, that the ranks stop on a signal: the
+    supervisor reads the line at once and prepares the next job while the save runs."""
+    if tr.rank == 0:
+        record = anomalies.Anomaly(
+            attempt=ctx.attempt, step=done.step, kind=anomalies.STOP_SIGNAL, t=time.time()
+        )
+        anomalies.append(tr.root, record)
+    tr.log("stopping_on_signal", step=done.step, signal=done.signum)
 
 
 def _stop_on_budget(

@@ -89,6 +89,9 @@ class SubmitPlan:
     #: The run's directory, where restart orders for the job are written (None: no restarts
     #: inside the job, whatever the spec says).
     run_dir: Path | None = None
+    #: > 0: the job is a successor prepared while the attempt before it stops; its nodes
+    #: wait this long for the order that starts the attempt (`worker.task.TrainingTask`).
+    standby_wait_s: float = 0.0
 
 
 #: Every job Nightwatch submits is named `nw-<run id>-a<attempt>`: how a job the database
@@ -196,6 +199,8 @@ def _restart_fields(plan: SubmitPlan) -> dict[str, Any]:
         "restart_wait_s": rc.restart_wait_seconds,
         "active_nodes": plan.spec.resources.nodes if spares else 0,
         "memory_tier": plan.spec.checkpoint.in_memory,
+        "standby": plan.standby_wait_s > 0,
+        "standby_wait_s": plan.standby_wait_s,
     }
 
 

@@ -106,6 +106,11 @@ class TrainingTask:
     #: The node task keeps an in-memory checkpoint tier for its ranks (restarts inside the
     #: job only: `megatron_runs.memory_tier`).
     memory_tier: bool = False
+    #: A job submitted ahead of its attempt, while the one before it stops (`contracts.restart`,
+    #: "A successor prepared"): every node imports the training program, then waits up to
+    #: `standby_wait_s` for the order that starts attempt `attempt` (and ends without one).
+    standby: bool = False
+    standby_wait_s: float = 0.0
 
     def __call__(self) -> NoReturn:
         early = _EarlyStop()
@@ -150,7 +155,7 @@ class TrainingTask:
         tiers = _memory_tiers(self.ranks_per_task) if self.memory_tier and restarts else {}
         while True:
             watch = (
-                OrderWatch(job_control_dir(Path(task.run_dir), info.job_id), task.attempt)
+                OrderWatch(job_control_dir(Path(task.run_dir), info.job_id), task.follows)
                 if task.run_dir and task.restart_wait_s
                 else None
             )
@@ -195,10 +200,21 @@ class TrainingTask:
                     exit_code_path(Path(info.folder), info.job_id, rank).write_text(str(rank_code))
         return code
 
+    @property
+    def follows(self) -> int:
+        """The attempt after which this node task acts on orders: a standby job's order
+        starts its own attempt, any other job's the next one."""
+        return self.attempt - 1 if self.standby else self.attempt
+
     def _spare(self, info: TaskInfo, watch: OrderWatch) -> RestartOrder | None:
         """Idle through an attempt that runs on other nodes: the next order (which may use
         this node), or None once the attempt's ranks all ended and no order followed within
-        `restart_wait_s` (at once when they all ended cleanly: the job is done)."""
+        `restart_wait_s` (at once when they all ended cleanly: the job is done). A standby
+        job's nodes wait `standby_wait_s` for the order that starts their attempt."""
+        if self.standby:
+            log.info("standby: waiting %.0f s for the order", self.standby_wait_s,
+                     extra=self._context(info.job_id))  # fmt: skip
+            return watch.wait(self.standby_wait_s)
         world = len(self._nodes(info)) * self.ranks_per_task
         folder = Path(self.job_folder or info.folder or ".")
         log.info("spare node: waiting for an order", extra=self._context(info.job_id))
@@ -229,6 +245,7 @@ class TrainingTask:
             job_folder=str(Path(order.log_dir) / job_id),
             generation=self.generation + 1,
             nodes=tuple(order.nodes) or self.nodes,
+            standby=False,
         )
 
     def _nodes(self, info: TaskInfo) -> tuple[str, ...]:
@@ -245,6 +262,8 @@ class TrainingTask:
         if self.job_folder is not None:
             Path(self.job_folder).mkdir(parents=True, exist_ok=True)
             info = replace(info, folder=self.job_folder, generation=self.generation)
+        if self.standby:
+            return None
         if not self.active_nodes and not self.nodes:
             return info
         nodes = self._nodes(info)

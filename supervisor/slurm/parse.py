@@ -80,12 +80,19 @@ def parse_sacct(text: str) -> dict[str, JobStatus]:
             raise SourceUnavailable(f"unexpected sacct line: {line!r}")
         job_id, raw_state, exit_text, nodelist, reason = cols[: len(SACCT_FIELDS)]
         code, sig = parse_exit_code(exit_text)
-        out[job_id] = _status(job_id, raw_state, nodelist, reason, code, sig)
+        left = parse_time_left(cols[5]) if len(cols) > 5 else None
+        out[job_id] = _status(job_id, raw_state, nodelist, reason, code, sig, left)
     return out
 
 
 def _status(
-    job_id: str, raw_state: str, nodelist: str, reason: str, code: int | None, sig: int | None
+    job_id: str,
+    raw_state: str,
+    nodelist: str,
+    reason: str,
+    code: int | None,
+    sig: int | None,
+    time_left_s: float | None = None,
 ) -> JobStatus:
     return JobStatus(
         job_id=job_id,
@@ -95,14 +102,30 @@ def _status(
         exit_signal=sig,
         reason="" if reason == "None" else reason,
         raw_state=raw_state,
+        time_left_s=time_left_s,
     )
 
 
-SQUEUE_FORMAT = "JobID:|,State:|,NodeList:|,Reason:|,exit_code:|"
+def parse_time_left(text: str) -> float | None:
+    """SLURM's `[days-][hours:]minutes:seconds` in seconds; None for anything else
+    (UNLIMITED, NOT_SET, INVALID: no limit to plan for)."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    if days and not days.isdigit():
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return float(seconds + 86400 * int(days or 0))
+
+
+SQUEUE_FORMAT = "JobID:|,State:|,NodeList:|,Reason:|,exit_code:|,TimeLeft:|"
 
 
 def parse_squeue(text: str) -> dict[str, JobStatus]:
-    """Parse `squeue -h -t all -O JobID:|,State:|,NodeList:|,Reason:|,exit_code:|`.
+    """Parse `squeue -h -t all -O JobID:|,State:|,NodeList:|,Reason:|,exit_code:|,TimeLeft:|`.
 
     squeue's exit_code is the raw wait status: code in the high byte, signal in the low bits.
     """
@@ -120,7 +143,8 @@ def parse_squeue(text: str) -> dict[str, JobStatus]:
             code, sig = None, None
         else:
             code, sig = wait_status >> 8, wait_status & 0x7F
-        out[job_id] = _status(job_id, raw_state, nodelist, reason, code, sig)
+        left = parse_time_left(cols[5]) if len(cols) > 5 else None
+        out[job_id] = _status(job_id, raw_state, nodelist, reason, code, sig, left)
     return out
 
 

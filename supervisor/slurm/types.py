@@ -162,6 +162,8 @@ class JobStatus:
     reason: str = ""
     raw_state: str = ""
     failed_nodes: tuple[str, ...] = ()
+    #: Seconds until the job's time limit when polled (None: no limit, or not known).
+    time_left_s: float | None = None
 
     @property
     def completing(self) -> bool:

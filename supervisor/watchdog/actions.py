@@ -72,6 +72,10 @@ class ActionKind(enum.StrEnum):
     #: A remedy's next attempt started inside the running job (`contracts.restart`): the
     #: in-job counterpart of SUBMIT, keyed by the job.
     RESTART_IN_JOB = "restart_in_job"
+    #: The next attempt's job submitted while the current attempt stops on a walltime or
+    #: preemption warning (a standby job: its nodes import and wait for the requeue's order),
+    #: keyed by the next attempt.
+    PREPARE_SUCCESSOR = "prepare_successor"
     CANCEL = "cancel"
     COMPLETE = "complete"
     RESTART = RemedyKind.RESTART.value
@@ -262,8 +266,14 @@ class Actuator:
         if attempt is not None and attempt.job_id:
             self._finish(key, True, {"job_id": attempt.job_id, "recovered": True})
             return attempt.job_id
+        # A standby job prepared for the attempt is not its submission: had the requeue
+        # taken it, the attempt would have recorded it.
+        prepared = self._prepared(run_id, number)
+        standby = (prepared.result_json or {}).get("job_id") if prepared else None
         with self._side_effect():
-            found = self._already_submitted(run_id, number, log_dir)
+            found = self._already_submitted(
+                run_id, number, log_dir, frozenset({standby}) if standby else frozenset()
+            )
         if attempt is None:
             if run.current_attempt != number - 1:
                 self._finish(key, False, {"error": f"attempt {run.current_attempt} is current"})
@@ -281,36 +291,7 @@ class Actuator:
         if found:
             job_id = found
         else:
-            with self.db.write_session() as s:
-                _token, secret = store.create_token(
-                    s, f"worker-{run_id}-a{number}", [Scope.SUBMIT], run_id=run_id
-                )
-            ckpt_dir = checkpoint_dir(self.config.home, run_id, spec)
-            mtbf = self._mtbf(run_id, spec) if spec.checkpoint.interval_auto else None
-            lead, lead_basis = signal_lead(
-                checkpoints.read_save_timing(ckpt_dir),
-                spec.resources.time_limit_minutes,
-                self.config.signal_delay_s,
-            )
-            plan = SubmitPlan(
-                run_id=run_id,
-                attempt=number,
-                spec=spec,
-                checkpoint_dir=ckpt_dir,
-                log_dir=log_dir,
-                resume_step=resume_step,
-                skip_ranges=tuple((int(a), int(b)) for a, b in merge_ranges(run.skip_ranges_json)),
-                exclude=tuple(exclude),
-                supervisor_url=self.config.supervisor_url,
-                worker_token=secret,
-                node_setup=self.config.node_setup,
-                signal_delay_s=lead,
-                mtbf_seconds=mtbf[0] if mtbf else None,
-                run_dir=run_dir(self.config.home, run_id),
-            )
-            stop_signal = {"signal_lead_s": lead, "signal_lead": lead_basis}
-            if mtbf:
-                stop_signal.update(mtbf_s=round(mtbf[0]), mtbf=mtbf[1])
+            plan, stop_signal = self._plan(run, spec, number, resume_step, exclude)
             try:
                 with self._side_effect():
                     job_id = submit(self.cluster, plan).job_id
@@ -333,6 +314,116 @@ class Actuator:
         log.info("submitted", extra={**_ctx(run_id, number), "job_id": job_id})
         return job_id
 
+    def _plan(
+        self,
+        run: Run,
+        spec: RunSpec,
+        number: int,
+        resume_step: int | None,
+        exclude: Sequence[str],
+        *,
+        standby: bool = False,
+    ) -> tuple[SubmitPlan, dict[str, Any]]:
+        """Attempt `number`'s submission (with its worker token), and what its stop signal
+        and MTBF were computed from. A standby job's nodes wait for their order as long as
+        the stop signal's lead plus `recovery.restart_wait_seconds`: by then the attempt
+        before it has ended, and the requeue's order is out or will never come."""
+        with self.db.write_session() as s:
+            _token, secret = store.create_token(
+                s, f"worker-{run.id}-a{number}", [Scope.SUBMIT], run_id=run.id
+            )
+        ckpt_dir = checkpoint_dir(self.config.home, run.id, spec)
+        mtbf = self._mtbf(run.id, spec) if spec.checkpoint.interval_auto else None
+        lead, lead_basis = signal_lead(
+            checkpoints.read_save_timing(ckpt_dir),
+            spec.resources.time_limit_minutes,
+            self.config.signal_delay_s,
+        )
+        plan = SubmitPlan(
+            run_id=run.id,
+            attempt=number,
+            spec=spec,
+            checkpoint_dir=ckpt_dir,
+            log_dir=attempt_log_dir(self.config.home, run.id, number),
+            resume_step=resume_step,
+            skip_ranges=tuple((int(a), int(b)) for a, b in merge_ranges(run.skip_ranges_json)),
+            exclude=tuple(exclude),
+            supervisor_url=self.config.supervisor_url,
+            worker_token=secret,
+            node_setup=self.config.node_setup,
+            signal_delay_s=lead,
+            mtbf_seconds=mtbf[0] if mtbf else None,
+            run_dir=run_dir(self.config.home, run.id),
+            standby_wait_s=lead + spec.recovery.restart_wait_seconds if standby else 0.0,
+        )
+        stop_signal: dict[str, Any] = {"signal_lead_s": lead, "signal_lead": lead_basis}
+        if mtbf:
+            stop_signal.update(mtbf_s=round(mtbf[0]), mtbf=mtbf[1])
+        return plan, stop_signal
+
+    def prepare_successor(self, run_id: str, number: int, *, reason: str) -> str | None:
+        """Submit attempt `number`'s job as a standby job, exactly once, while the attempt
+        before it stops on a warning: SLURM schedules it and its nodes import the training
+        program during the save, and the requeue then starts it by an order (`_in_job`).
+        No attempt row yet: the run stays on its current attempt until the requeue. Returns
+        the job id (None: already prepared, or the submission failed)."""
+        key = self._begin(run_id, number, ActionKind.PREPARE_SUCCESSOR, "-", {"reason": reason})
+        if key is None:
+            return None
+        with self.db.session() as s:
+            run = store.get_run(s, run_id)
+            exclude = sorted({*run.excluded_nodes_json, *store.fleet_excluded_nodes(s)})
+        spec = RunSpec.model_validate(run.spec_json)
+        log_dir = attempt_log_dir(self.config.home, run_id, number)
+        with self._side_effect():
+            job_id = self._find_submitted(run_id, number, log_dir)
+        evidence: dict[str, Any] = {}
+        if job_id is None:
+            plan, evidence = self._plan(run, spec, number, None, exclude, standby=True)
+            try:
+                with self._side_effect():
+                    job_id = submit(self.cluster, plan).job_id
+            except (SourceUnavailable, Unsupported, OSError) as exc:
+                self._finish(key, False, {"error": str(exc)})
+                log.warning(f"successor not submitted: {exc}", extra=_ctx(run_id, number))
+                return None
+        self._finish(key, True, {"job_id": job_id, **evidence})
+        log.info("successor submitted", extra={**_ctx(run_id, number), "job_id": job_id})
+        return job_id
+
+    def _successor(self, run_id: str, number: int) -> str | None:
+        """The standby job prepared for attempt `number` while SLURM still holds it (pending
+        or running), else None: the requeue submits anew, and the standby job (if any) is a
+        stray the next tick cancels."""
+        prepared = self._prepared(run_id, number)
+        if prepared is None:
+            return None
+        job_id = (prepared.result_json or {}).get("job_id")
+        if job_id is None and prepared.state is ActionState.INTENT:
+            # its submission's outcome was never recorded (a crash): found by name, or none
+            with self._side_effect():
+                job_id = self._find_submitted(
+                    run_id, number, attempt_log_dir(self.config.home, run_id, number)
+                )
+            self._finish(prepared.key, job_id is not None, {"job_id": job_id})
+        if job_id is None:
+            return None
+        try:
+            status = self.cluster.poll([job_id]).get(job_id)
+        except SourceUnavailable:
+            return None
+        return job_id if status is not None and status.state.active else None
+
+    def _prepared(self, run_id: str, number: int) -> Action | None:
+        with self.db.session() as s:
+            return s.scalar(
+                select(Action).where(
+                    Action.run_id == run_id,
+                    Action.attempt == number,
+                    Action.kind == ActionKind.PREPARE_SUCCESSOR.value,
+                )
+            )
+
     def _mtbf(self, run_id: str, spec: RunSpec) -> tuple[float, str]:
         """(the run's MTBF estimate in seconds, why): its attempts' training time over the
         faults a remedy answered (contained ones and requeues are not failures of the job)."""
@@ -353,23 +444,34 @@ class Actuator:
         mtbf = accounting.mtbf_estimate(trained, faults, prior)
         return mtbf, f"({trained:.0f} s trained + {prior:.0f} s prior) / ({faults} faults + 1)"
 
-    def _already_submitted(self, run_id: str, number: int, log_dir: Path) -> str | None:
+    def _already_submitted(
+        self, run_id: str, number: int, log_dir: Path, ignore: frozenset[str] = frozenset()
+    ) -> str | None:
         """A job of a submission whose outcome was never recorded (the supervisor died),
-        with its submission finished if the death came between sbatch and the job's pickle."""
-        job_id = self._find_submitted(run_id, number, log_dir)
+        with its submission finished if the death came between sbatch and the job's pickle;
+        none in `ignore`."""
+        job_id = self._find_submitted(run_id, number, log_dir, ignore)
         if job_id is not None and self.cluster.finish_submission(job_id, log_dir):
             log.warning(f"job {job_id} was submitted without its task", extra=_ctx(run_id, number))
         return job_id
 
-    def _find_submitted(self, run_id: str, number: int, log_dir: Path) -> str | None:
+    def _find_submitted(
+        self, run_id: str, number: int, log_dir: Path, ignore: frozenset[str] = frozenset()
+    ) -> str | None:
+        """The newest job of attempt `number` found by its name or its submitit folder, but
+        none in `ignore` (a standby job the requeue did not take)."""
         try:
-            ids = self.cluster.find_jobs(job_name(run_id, number))
+            ids = [j for j in self.cluster.find_jobs(job_name(run_id, number)) if j not in ignore]
         except SourceUnavailable:
             ids = []
         if ids:
             return max(ids, key=lambda j: int(str(j).split("_")[0]))  # "100" is newer than "99"
         if log_dir.is_dir():
-            ids = [p.name for p in log_dir.iterdir() if p.is_dir() and re.fullmatch(r"\d+", p.name)]
+            ids = [
+                p.name
+                for p in log_dir.iterdir()
+                if p.is_dir() and re.fullmatch(r"\d+", p.name) and p.name not in ignore
+            ]
             if ids:
                 return sorted(ids, key=int)[-1]
         return None
@@ -433,7 +535,8 @@ class Actuator:
         if remedy.to_step:
             self._pin_checkpoint(run, remedy.to_step, ctx)
         in_job = self._in_job(ctx, remedy, run)
-        if in_job is None and not self._try_stop_job(ctx):
+        moves = in_job is None or in_job.job_id != ctx.job_id  # to a new or a standby job
+        if moves and not self._try_stop_job(ctx):
             return False
         updates: dict[str, Any] = {}
         if remedy.kind is RemedyKind.ROLLBACK and remedy.skip_ranges:
@@ -495,6 +598,9 @@ class Actuator:
             )
         if begun is not None:
             return InJob(begun.target, tuple(begun.evidence_json.get("nodes", ())))
+        if remedy.kind is RemedyKind.REQUEUE:
+            successor = self._successor(ctx.run_id, ctx.attempt + 1)
+            return InJob(successor) if successor is not None else None
         spec = RunSpec.model_validate(run.spec_json)
         if not (spec.recovery.restart_in_job and ctx.job_running and ctx.job_id):
             return None

@@ -413,6 +413,7 @@ def job_view(
         failed_nodes=status.failed_nodes or hosts,
         cause=cause,
         completing=status.completing,
+        time_left_s=status.time_left_s,
     )
 
 

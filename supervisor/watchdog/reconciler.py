@@ -32,9 +32,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
-from supervisor.launcher import DEFAULT_SIGNAL_LEAD_S, JOB_PREFIX, NodeSetup
+from supervisor.launcher import DEFAULT_SIGNAL_LEAD_S, JOB_PREFIX, NodeSetup, signal_lead
 from supervisor.metrics import SupervisorMetrics
 from supervisor.metrics_in import MetricSource, PrometheusSource, ScrapeSource, Target
 from supervisor.models import Action, Attempt, AttemptState, Run, RunState
@@ -46,8 +47,10 @@ from supervisor.watchdog.detectors import (
     contained,
     detect_all,
     hang_probe_at,
+    stopping_on_signal,
     unremedied_spikes,
     verdict_due,
+    walltime_ends_within,
 )
 from supervisor.watchdog.lease import Deposed, LeaseGuard
 from supervisor.watchdog.ledger import Ledger
@@ -65,6 +68,9 @@ NODE_LIST_EVERY_S = 60.0
 #: Between ticks, how often the files a fault writes at once (`Observer.evidence_files`) are
 #: looked at: one stat each, and a tenth of a second is small next to any restart (≥ 1 s).
 WAKE_POLL_S = 0.1
+#: What a successor job needs beyond the run's measured start-up before its time limit's stop
+#: signal: SLURM scheduling it, with room to spare.
+SUCCESSOR_SLACK_S = 30.0
 
 #: A file's (size, mtime); None when it is missing.
 Stamp = tuple[int, int] | None
@@ -181,6 +187,8 @@ class Reconciler:
         #: a stall is probed once, at the tick its limit has run out by.
         self._probe_at: dict[tuple[str, int], tuple[float, float]] = {}
         self._probed: dict[tuple[str, int], float] = {}
+        #: (run, attempt) whose successor was prepared (or tried): asked once per attempt.
+        self._successors: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------------ loop
 
@@ -469,6 +477,7 @@ class Reconciler:
                 due = min(probe_at[0], due if due is not None else probe_at[0])
         if due is not None and due > now:
             self._verdict_due = min(due, self._verdict_due or due)
+        self._prepare_successor(run, attempt, spec, snap)
         if not findings:
             return Outcome()
         result.findings[run.id] = findings
@@ -511,6 +520,28 @@ class Reconciler:
         if remedy.kind is RemedyKind.ESCALATE:
             return Outcome(Next.TERMINAL, remedy.reason)
         return Outcome(Next.TICK if applied else Next.AFTER, remedy.reason)
+
+    def _prepare_successor(self, run: Run, attempt: Attempt, spec: RunSpec, snap: Snapshot) -> None:
+        """Submit the next attempt's standby job (`Actuator.prepare_successor`; once per
+        attempt) when the ranks stop on a signal, or when the job's time limit is nearer
+        than its stop signal's lead plus what a successor needs to be ready: the run's
+        measured start-up (imports, set-up, first step) and `SUCCESSOR_SLACK_S` for SLURM."""
+        rc = spec.recovery
+        key = (run.id, attempt.number)
+        if not (rc.restart_in_job and rc.prepare_successor) or key in self._successors:
+            return
+        lead, _ = signal_lead(
+            self.observer.save_timing(run, spec),
+            spec.resources.time_limit_minutes,
+            self.config.signal_delay_s,
+        )
+        ready = snap.startup_seconds_seen or 0.0
+        reason = stopping_on_signal(snap) or walltime_ends_within(
+            snap, lead + ready + SUCCESSOR_SLACK_S
+        )
+        if reason is not None:
+            self.actuator.prepare_successor(run.id, attempt.number + 1, reason=reason)
+            self._successors.add(key)
 
     def _operator_request(
         self,

@@ -43,6 +43,8 @@ class JobView:
     #: RUNNING as SLURM's COMPLETING: the job is ending, `nodes` lists only those still
     #: cleaning up, and its final state comes on a later tick.
     completing: bool = False
+    #: Seconds until the job's time limit at this tick's poll (None: no limit or unknown).
+    time_left_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

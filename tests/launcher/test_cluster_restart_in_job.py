@@ -3,6 +3,7 @@ ranks and start the attempt a restart order names, in the same job (`contracts.r
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -162,3 +163,43 @@ def test_a_spare_takes_a_dead_nodes_place_and_the_job_lives_on(
     finally:
         revived = devcluster("revive-node", dead, cluster_dir=cluster_dir)
         assert revived.returncode == 0, revived.stderr
+
+
+def test_a_standby_job_waits_for_its_order_then_runs_the_attempt(
+    slurm, tmp_path, toy_spec, toy_plan
+):
+    """A successor prepared during a stop (`standby_wait_s`): its nodes run no rank until the
+    order for its own attempt, then train from the ordered step in the job's folder."""
+    spec = _spec(toy_spec, "standby")
+    plan = _plan(toy_plan, tmp_path, spec)
+    job = launcher.submit(slurm, plan).job_id
+    wait_until("step 6 saved", lambda: latest(plan.checkpoint_dir) >= 6, 90)
+    slurm.cancel(job)
+    wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=60)
+    a2 = tmp_path / "logs-a2"
+    standby = toy_plan(tmp_path, spec, attempt=2, run_dir=tmp_path / "run", standby_wait_s=120.0)
+    standby = dataclasses.replace(standby, log_dir=a2)
+    successor = launcher.submit(slurm, standby).job_id
+    wait_until("the standby nodes wait", lambda: "standby: waiting" in _node_log(a2, successor), 60)
+    assert _starts(a2, successor) == [] and slurm.poll([successor])[successor].state.active
+    order = RestartOrder(attempt=2, log_dir=str(a2), resume_step=6)
+    write_order(job_control_dir(tmp_path / "run", successor), order)
+    done = wait_for(slurm, successor, lambda s: s.state.terminal, timeout_s=90)
+    assert done.state is JobState.COMPLETED, done
+    assert _starts(a2, successor) == [6] * 4
+    assert sorted(code for _, code in _exits(a2, successor)) == [exitcodes.OK] * 4
+    assert latest(plan.checkpoint_dir) == 16
+
+
+def test_a_standby_job_without_an_order_ends_without_training(slurm, tmp_path, toy_spec, toy_plan):
+    spec = _spec(toy_spec, "standby-none")
+    plan = toy_plan(tmp_path, spec, attempt=2, run_dir=tmp_path / "run", standby_wait_s=2.0)
+    job = launcher.submit(slurm, plan).job_id
+    done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
+    assert done.state is JobState.COMPLETED, done
+    assert _starts(plan.log_dir, job) == [] and _exits(plan.log_dir, job) == []
+    assert latest(plan.checkpoint_dir) == 0
+
+
+def _node_log(folder: Path, job_id: str) -> str:
+    return "".join(tail(p) for p in sorted((folder / job_id).glob(f"{job_id}_*_log.out")))

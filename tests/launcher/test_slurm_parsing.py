@@ -26,6 +26,7 @@ from supervisor.slurm.parse import (
     parse_sinfo,
     parse_squeue,
     parse_state,
+    parse_time_left,
     with_failed_nodes,
 )
 
@@ -123,14 +124,29 @@ def test_parse_sacct_rejects_garbage():
 
 # Captured: squeue -h -t all -j ... -O JobID:|,State:|,NodeList:|,Reason:|,exit_code:|
 SQUEUE = """\
-61|CANCELLED||JobHeldUser|0|
-5|COMPLETED|n[1,3]|None|0|
+61|CANCELLED||JobHeldUser|0|INVALID|
+5|COMPLETED|n[1,3]|None|0|0:00|
 64|FAILED|n1|NonZeroExitCode|768|
 1|TIMEOUT|n1|TimeLimit|15|
-70|PENDING||Resources|0|
+70|PENDING||Resources|0|UNLIMITED|
 2|COMPLETING|n1|NodeDown|0|
-3|RUNNING|n[3-4]|None|0|
+3|RUNNING|n[3-4]|None|0|1-02:03:04|
 """
+
+
+def test_squeue_time_left_in_seconds_none_without_a_limit():
+    jobs = parse_squeue(SQUEUE)
+    assert jobs["3"].time_left_s == 86400 + 2 * 3600 + 3 * 60 + 4
+    assert jobs["5"].time_left_s == 0
+    assert jobs["70"].time_left_s is None and jobs["61"].time_left_s is None
+    assert jobs["64"].time_left_s is None  # a squeue that printed no such column
+    assert [parse_time_left(t) for t in ("1:35", "12:00:00", "NOT_SET", "5", "a-1:00")] == [
+        95,
+        43200,
+        None,
+        None,
+        None,
+    ]
 
 
 def test_parse_squeue_decodes_wait_status():

@@ -6,6 +6,7 @@ tests/launcher/test_cluster_restart_in_job.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from supervisor import store
 from supervisor.db import Database
 from supervisor.models import Action, ActionState, Attempt, AttemptState, Run, RunState
 from supervisor.slurm import JobState, JobStatus
-from supervisor.watchdog import actions
+from supervisor.watchdog import actions, reconciler
 from supervisor.watchdog.observe import LINGER_S
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 from supervisor.watchdog.snapshot import FindingKind, RemedyKind
@@ -292,3 +293,131 @@ def test_a_job_whose_ranks_all_finished_but_lingers_completes_the_run(
     assert get_run(db, run_id).state is RunState.SUCCEEDED
     assert attempts(db, run_id)[-1].state is AttemptState.COMPLETED
     assert cluster.cancelled == [job]
+
+
+def stop_signal_at(ckpt: Path, step: int, attempt: int = 1) -> None:
+    """The trainer's record: the ranks learned of a stop signal at `step` and save there."""
+    anomalies.append(ckpt, anomalies.Anomaly(attempt, step, anomalies.STOP_SIGNAL, t=time.time()))
+
+
+def successor_actions(db: Database, run_id: str) -> list[Action]:
+    with db.session() as s:
+        kind = actions.ActionKind.PREPARE_SUCCESSOR
+        return list(s.scalars(select(Action).where(Action.run_id == run_id, Action.kind == kind)))
+
+
+def all_checkpointed(tmp_path: Path, run_id: str, job: str, spec: RunSpec) -> None:
+    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank in range(spec.resources.world_size):
+        exit_code_path(folder, job, rank).write_text("75")
+
+
+def test_a_stop_signal_prepares_the_next_job_and_the_requeue_starts_it_by_order(
+    db: Database, tmp_path: Path
+) -> None:
+    """The ranks record a stop signal: the next attempt's job is submitted at that tick as a
+    standby job (no attempt yet: the run stays on attempt 1 while it saves), once. When the
+    ranks have all checkpointed, the requeue cancels the ending job and starts attempt 2 in
+    the standby job by an order, with no second sbatch; the standby job is no stray."""
+    rec, cluster, _source, run_id, job = running(db, tmp_path)
+    spec = RunSpec.model_validate(SPEC)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, spec)
+    write_checkpoint(ckpt, 300, 2400)
+    stop_signal_at(ckpt, 300)
+    rec.tick()
+    assert len(cluster.submitted) == 2
+    successor, request = cluster.submitted[-1]
+    assert request.job_name.endswith("-a2")
+    task = cluster.tasks[successor]
+    assert task.standby and task.attempt == 2 and task.standby_wait_s > 0
+    assert [a.number for a in attempts(db, run_id)] == [1]
+    (prepared,) = successor_actions(db, run_id)
+    assert prepared.state is ActionState.DONE and prepared.result_json["job_id"] == successor
+    cluster.set(successor, JobState.RUNNING)
+    rec.tick()
+    assert len(cluster.submitted) == 2 and cluster.cancelled == []  # once, and kept
+    all_checkpointed(tmp_path, run_id, job, spec)
+    assert rec.tick().remedies[run_id].kind is RemedyKind.REQUEUE
+    assert len(cluster.submitted) == 2 and cluster.cancelled == [job]
+    first, second = attempts(db, run_id)
+    assert (first.state, first.exit_code) == (AttemptState.PREEMPTED, 75)
+    assert second.job_id == successor
+    order = read_order(job_control_dir(run_dir(tmp_path / "home", run_id), successor))
+    assert order is not None and order.attempt == 2 and order.resume_step is None
+    rec.tick()
+    assert cluster.cancelled == [job] and get_run(db, run_id).current_attempt == 2
+
+
+def test_a_standby_job_slurm_no_longer_holds_is_not_taken(db: Database, tmp_path: Path) -> None:
+    """A standby job that ended (its wait ran out, or it was cancelled) is not the next
+    attempt's: the requeue submits anew and does not adopt it by its name."""
+    rec, cluster, _source, run_id, job = running(db, tmp_path)
+    spec = RunSpec.model_validate(SPEC)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, spec)
+    write_checkpoint(ckpt, 300, 2400)
+    stop_signal_at(ckpt, 300)
+    rec.tick()
+    successor = cluster.submitted[-1][0]
+    cluster.set(successor, JobState.COMPLETED, exit_code=0)
+    all_checkpointed(tmp_path, run_id, job, spec)
+    assert rec.tick().remedies[run_id].kind is RemedyKind.REQUEUE
+    assert len(cluster.submitted) == 3
+    fresh, request = cluster.submitted[-1]
+    assert not cluster.tasks[fresh].standby and request.job_name.endswith("-a2")
+    assert attempts(db, run_id)[-1].job_id == fresh
+
+
+@pytest.mark.parametrize("cut", ["before_submit", "after_submit"])
+def test_a_supervisor_killed_while_preparing_the_successor_submits_it_once(
+    db: Database, tmp_path: Path, cut: str
+) -> None:
+    rec, cluster, _source, run_id, _job = running(db, tmp_path)
+    spec = RunSpec.model_validate(SPEC)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, spec)
+    write_checkpoint(ckpt, 300, 2400)
+    stop_signal_at(ckpt, 300)
+    cluster.crash_before_submit = cut == "before_submit"
+    cluster.crash_after_submit = cut == "after_submit"
+    with pytest.raises(Crash):
+        rec.tick()
+    rec.tick()  # the next ticks resume the unfinished preparation
+    rec.tick()
+    assert len(cluster.submitted) == 2
+    (prepared,) = successor_actions(db, run_id)
+    assert prepared.state is ActionState.DONE
+    assert prepared.result_json["job_id"] == cluster.submitted[-1][0]
+    assert [a.number for a in attempts(db, run_id)] == [1]
+
+
+def test_without_prepare_successor_a_stop_signal_submits_nothing_early(
+    db: Database, tmp_path: Path
+) -> None:
+    spec_dict = copy.deepcopy(SPEC)
+    spec_dict["recovery"] = {"restart_in_job": True, "prepare_successor": False}
+    rec, cluster, _source, run_id, _job = running(db, tmp_path, spec_dict)
+    spec = RunSpec.model_validate(spec_dict)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, spec)
+    write_checkpoint(ckpt, 300, 2400)
+    stop_signal_at(ckpt, 300)
+    rec.tick()
+    assert len(cluster.submitted) == 1 and successor_actions(db, run_id) == []
+
+
+def test_a_time_limit_near_prepares_the_next_job_before_the_stop_signal(
+    db: Database, tmp_path: Path
+) -> None:
+    """The job's time left, within its stop signal's lead (90 s before any save was
+    measured) plus the run's start-up plus the slack: the successor is prepared before the
+    signal comes; further away, not yet."""
+    rec, cluster, _source, run_id, job = running(db, tmp_path)
+    far = 90 + reconciler.SUCCESSOR_SLACK_S + 5
+    cluster.states[job] = dataclasses.replace(cluster.states[job], time_left_s=far)
+    rec.tick()
+    assert len(cluster.submitted) == 1 and successor_actions(db, run_id) == []
+    cluster.states[job] = dataclasses.replace(cluster.states[job], time_left_s=far - 10)
+    rec.tick()
+    assert len(cluster.submitted) == 2
+    assert cluster.tasks[cluster.submitted[-1][0]].standby
+    (prepared,) = successor_actions(db, run_id)
+    assert prepared.evidence_json["reason"] == f"the job's time limit is {far - 10:.0f} s away"

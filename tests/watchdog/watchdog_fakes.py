@@ -55,6 +55,7 @@ class FakeCluster:
     nodes_per_job: tuple[str, ...] = ("n1", "n2")
     states: dict[str, JobStatus] = field(default_factory=dict)
     submitted: list[tuple[str, JobRequest]] = field(default_factory=list)
+    tasks: dict[str, Callable[[], object]] = field(default_factory=dict)
     cancelled: list[str] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)
     drain_reasons: dict[str, str] = field(default_factory=dict)
@@ -72,6 +73,7 @@ class FakeCluster:
         job_id = str(self.next_id)
         self.next_id += 1
         self.submitted.append((job_id, request))
+        self.tasks[job_id] = fn
         nodes = tuple(n for n in self.nodes_per_job if n not in request.exclude)
         self.states[job_id] = JobStatus(job_id, JobState.PENDING, nodes)
         if self.crash_after_submit:

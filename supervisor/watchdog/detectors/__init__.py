@@ -40,11 +40,13 @@ from supervisor.watchdog.detectors.state import (
     detect_checkpoint_problems,
     detect_job_state,
     detect_replica_mismatch,
+    walltime_ends_within,
 )
 from supervisor.watchdog.detectors.trainer import (
     contained,
     detect_skip_budget,
     detect_trainer_anomalies,
+    stopping_on_signal,
     unremedied_spikes,
 )
 from supervisor.watchdog.snapshot import Finding, Snapshot
@@ -101,7 +103,9 @@ __all__ = [
     "median_step_time",
     "spike_threshold",
     "startup_limit",
+    "stopping_on_signal",
     "straggler_due",
     "unremedied_spikes",
     "verdict_due",
+    "walltime_ends_within",
 ]

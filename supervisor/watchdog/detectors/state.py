@@ -8,6 +8,7 @@ from supervisor.metrics_in import SourceHealth
 from supervisor.models import AttemptState
 from supervisor.watchdog.blame import classify_failure
 from supervisor.watchdog.detectors.common import (
+    job_running,
     metrics_ok,
     onset_fields,
 )
@@ -148,3 +149,12 @@ def detect_job_state(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             nodes=nodes,
         )
     ]
+
+
+def walltime_ends_within(snap: Snapshot, within_s: float) -> str | None:
+    """Why this attempt will end at its time limit soon, or None: its job runs and SLURM's
+    time left is within `within_s` (the stop signal's lead and the time a successor needs)."""
+    left = snap.job.time_left_s
+    if not job_running(snap) or left is None or left > within_s:
+        return None
+    return f"the job's time limit is {left:.0f} s away"

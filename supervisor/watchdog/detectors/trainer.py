@@ -29,6 +29,7 @@ from contracts.anomalies import (
     NONFINITE,
     SPIKE,
     STOP,
+    STOP_SIGNAL,
     STRAGGLER,
     Anomaly,
     Ranges,
@@ -300,3 +301,13 @@ def spike_recorded_after(snap: Snapshot, step: int | None) -> bool:
     """The trainer recorded a spike at or after `step` this attempt: its exact record, not a
     scrape's view of the same steps, is what a remedy acts on."""
     return any(a.kind == SPIKE and (step is None or a.step >= step) for a in snap.anomalies)
+
+
+def stopping_on_signal(snap: Snapshot) -> str | None:
+    """Why this attempt will end in a requeue while its job still runs, or None: its ranks
+    recorded a stop signal (walltime or preemption warning) and are saving to leave with 75.
+    The next attempt's job can be prepared meanwhile (`recovery.prepare_successor`)."""
+    if not job_running(snap):
+        return None
+    stops = [a.step for a in snap.anomalies if a.kind == STOP_SIGNAL]
+    return f"the ranks stop on a signal at step {min(stops)}" if stops else None
