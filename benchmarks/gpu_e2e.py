@@ -10,8 +10,12 @@ physical GPUs per node), the supervisor on SQLite, and submits GPU specs over th
   moves to, tied to its cause as on CPU: the incident's detection latency, its MTTR, steps lost,
   the remedy, and the restarted attempt's start-up broken into its parts from the training log;
   once per `--restart-paths` (in_job: the ranks restart inside the running job from the memory
-  tier; in_job_disk: the same, loading from disk; resubmit: a new job), so the paths are
-  measured side by side in one call.
+  tier; in_job_disk: the same, loading from disk; resubmit: a new job; no_successor: in the
+  job, but a requeue submits its job only once the ranks stopped), so the paths are measured
+  side by side in one call. `preempt` is SLURM's preemption as the soak makes it (TERM to the
+  job at step 25): the ranks save and leave with 75 and the run is requeued, into the successor
+  prepared meanwhile (in_job) or a job submitted then (no_successor); with `--gpu-shared` the
+  dev cluster's nodes all use the host's GPUs, so a 1-GPU host has a node for the successor.
 
 Results go to OUT/result.json and a table on stdout. The host must have been prepared with
 `scripts/gpu-host` (its environment exported), as the device machine has no package registry.
@@ -20,6 +24,8 @@ Results go to OUT/result.json and a table on stdout. The host must have been pre
     python3 benchmarks/gpu_e2e.py --out $OUT --faults crash nan_node poison
     python3 benchmarks/gpu_e2e.py --out $OUT --nodes 1 --model 1.3b --steps 30 --no-clean \
         --faults crash --restart-paths in_job resubmit
+    python3 benchmarks/gpu_e2e.py --out $OUT --nodes 2 --gpu-shared --model 1.3b --steps 40 \
+        --no-clean --faults preempt --restart-paths in_job no_successor
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,10 +66,13 @@ MODELS = {
 #: inside the running job loading from the memory tier, inside the job loading from disk, or
 #: as a new job (cancel + sbatch), the path every remedy took before.
 RESTART_PATHS = {
-    "in_job": (True, True),
-    "in_job_disk": (True, False),
-    "resubmit": (False, True),
+    "in_job": (True, True, True),
+    "in_job_disk": (True, False, True),
+    "resubmit": (False, True, False),
+    "no_successor": (True, True, False),
 }
+#: The step at which `preempt` sends TERM to the run's job.
+PREEMPT_AT_STEP = 25
 
 
 @dataclass
@@ -131,6 +141,8 @@ def stack(args: argparse.Namespace, gpus_per_node: int) -> Iterator[Stack]:
     hardware = ["--cpus-per-node", str(args.cpus_per_node), "--memory-mb", str(args.memory_mb)]
     if args.device == "gpu":
         hardware += ["--gpus-per-node", str(gpus_per_node), "--gpu-devices"]
+        if args.gpu_shared:
+            hardware.append("--gpu-shared")
     if os.environ.get("NIGHTWATCH_SLURM_PLUGIN_DIR"):
         hardware += ["--plugin-dir", os.environ["NIGHTWATCH_SLURM_PLUGIN_DIR"]]
     started = devcluster(
@@ -240,6 +252,8 @@ FAULTS: dict[str, dict[str, Any]] = {
                                           "after_step": 15, "slow_factor": 4.0}]},
     "corrupt": {"faults": [{"kind": "corrupt_checkpoint", "step": 20},
                            {"kind": "crash", "step": 25, "rank": 0}]},
+    # Not the trainer's: the benchmark sends SLURM's preemption signal (`preempt_job`).
+    "preempt": {},
 }  # fmt: skip
 
 
@@ -270,7 +284,11 @@ def startup(records: list[dict[str, Any]], attempt: int, submitted: float) -> di
     entry), the trainer's own set-up phases (distributed/NCCL init, model and optimizer,
     checkpoint load, the rest) and the first step (with any compilation)."""
     mine = [r for r in records if r.get("attempt") == attempt]
-    begin = next((r for r in mine if str(r.get("msg", "")).startswith(BEGIN_MARKS)), None)
+    # a standby job's node tasks begin (as the attempt's) before their order: the order counts
+    ordered = next((r for r in mine if str(r.get("msg", "")).startswith(BEGIN_MARKS[1])), None)
+    begin = ordered or next(
+        (r for r in mine if str(r.get("msg", "")).startswith(BEGIN_MARKS)), None
+    )
     train = next((r for r in mine if r.get("event") == "train_start"), None)
     step = next((r for r in mine if r.get("event") == "step"), None)
     parts: dict[str, float] = {}
@@ -322,9 +340,31 @@ def seconds_between(a: str | None, b: str | None) -> float | None:
     return round(_epoch(b) - _epoch(a), 2)
 
 
-def one_run(stack: Stack, name: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def preempt_job(stack: Stack, run_id: str, step: int, out: dict[str, float]) -> None:
+    """Once the run reached `step`: TERM to its job, as SLURM preempts (the time in `out`)."""
+    while True:
+        run = stack.api("GET", f"/v1/runs/{run_id}")
+        if run["state"] in TERMINAL:
+            return
+        if (run["last_step"] or 0) >= step and run["attempts"]:
+            job = run["attempts"][-1]["job_id"]
+            out["term_t"] = time.time()
+            subprocess.run(["scancel", "--signal=TERM", str(job)], env=stack.env, timeout=30)
+            return
+        time.sleep(0.2)
+
+
+def one_run(
+    stack: Stack, name: str, spec: dict[str, Any], timeout_s: float, preempt: bool = False
+) -> dict[str, Any]:
     run_id = stack.api("POST", "/v1/runs", spec)["id"]
     t0 = time.monotonic()
+    term: dict[str, float] = {}
+    watcher = threading.Thread(
+        target=preempt_job, args=(stack, run_id, PREEMPT_AT_STEP, term), daemon=True
+    )
+    if preempt:
+        watcher.start()
     run = stack.wait_run(run_id, timeout_s)
     records = training_log(stack.home, run_id)
     attempts = [
@@ -348,6 +388,11 @@ def one_run(stack: Stack, name: str, spec: dict[str, Any], timeout_s: float) -> 
             time.monotonic() - t0, 1), "last_step": run["last_step"], "attempts": attempts,
         "incidents": found, "final_loss": losses[-1] if losses else None,
     }  # fmt: skip
+    if "term_t" in term:
+        later = [r for r in records if r.get("event") == "step" and r.get("attempt", 0) > 1]
+        result["term_to_first_step_s"] = (
+            round(later[0]["ts"] - term["term_t"], 2) if later else None
+        )
     print(json.dumps(result), flush=True)
     return result
 
@@ -374,6 +419,10 @@ def main() -> None:
         "tier; in_job_disk: inside the job from disk; resubmit: sbatch)",
     )  # fmt: skip
     parser.add_argument("--no-clean", action="store_true")
+    parser.add_argument(
+        "--gpu-shared", action="store_true",
+        help="every node of the dev cluster uses all the host's GPUs (one-node jobs in turn)",
+    )  # fmt: skip
     parser.add_argument("--cpus-per-node", type=int, default=16)
     parser.add_argument("--cpus-per-rank", type=int, default=4)
     parser.add_argument("--memory-mb", type=int, default=100_000)
@@ -384,9 +433,10 @@ def main() -> None:
 
     if args.device == "gpu":
         gpus = torch.cuda.device_count()
-        if gpus < args.nodes:
+        if gpus < args.nodes and not args.gpu_shared:
             raise SystemExit(f"{gpus} GPUs for {args.nodes} nodes")
-        per_node, card = gpus // args.nodes, torch.cuda.get_device_name(0)
+        per_node = gpus if args.gpu_shared else gpus // args.nodes
+        card = torch.cuda.get_device_name(0)
     else:
         per_node, card = args.ranks_per_node, f"cpu ({os.cpu_count()} cores)"
         gpus = per_node * args.nodes
@@ -403,13 +453,15 @@ def main() -> None:
             for path in args.restart_paths:
                 sections = dict(FAULTS[fault])
                 nodes = sections.pop("nodes", 1)
-                in_job, in_memory = RESTART_PATHS[path]
-                sections["recovery"] = {"restart_in_job": in_job}
+                in_job, in_memory, successor = RESTART_PATHS[path]
+                sections["recovery"] = {"restart_in_job": in_job, "prepare_successor": successor}
                 sections["checkpoint"] = {"in_memory": in_memory}
                 if in_job and args.spare_nodes:
                     sections["resources"] = {"spare_nodes": args.spare_nodes}
                 spec = gpu_spec(f"gpu-{fault}-{path}", s.data, args, nodes, per_node, **sections)
-                results["runs"].append(one_run(s, f"{fault}/{path}", spec, args.run_timeout))
+                results["runs"].append(
+                    one_run(s, f"{fault}/{path}", spec, args.run_timeout, fault == "preempt")
+                )
                 (args.out / "result.json").write_text(json.dumps(results, indent=2))
         (args.out / "result.json").write_text(json.dumps(results, indent=2))
         (args.out / "serve.log").write_bytes((s.home / "serve.log").read_bytes()[-4_000_000:])

@@ -44,6 +44,7 @@ from contracts.task import TrainContext, node_name
 from worker.devices import missing_gpus
 from worker.env import TaskInfo, dist_env, rank_infos, task_info
 from worker.orders import OrderWatch
+from worker.priority import lowest_priority
 from worker.ranks import NODE_PROCESS_NAME, fork_ranks, name_process
 from worker.registration import Registrar
 
@@ -135,7 +136,10 @@ class TrainingTask:
             _leave(self._rank(ranks[0], early))
         code = 1
         try:
-            _preload(self.entry)
+            # a node that runs no ranks yet imports with what CPU training leaves idle
+            idle = self._scheduled(info) is None
+            with lowest_priority(idle, self._context(info.job_id)):
+                _preload(self.entry)
             name_process(NODE_PROCESS_NAME)
             code = self._node(info, early)
         except BaseException:
