@@ -6,7 +6,9 @@ that where it shares CPUs with training (the dev cluster's nodes on one host; a 
 node beside a job still saving) it takes only the time training leaves idle. It goes back to
 its own priority after the import, so ranks it forks later run at the priority it was started
 with; where it could not go back (no CAP_SYS_NICE, an RLIMIT_NICE that does not allow it) it
-imports at its own priority instead.
+imports at its own priority instead. With the kernel's autogroups (`sched_autogroup_enabled`)
+a nice value weighs only against the same session's threads, and every SLURM task is a session
+of its own: a node task that leads its session sets its autogroup's nice value too.
 """
 
 from __future__ import annotations
@@ -46,11 +48,36 @@ def lowest_priority(enabled: bool, context: dict[str, object]) -> Iterator[None]
     if not enabled or own >= LOWEST_PRIORITY or not may_raise_priority_to(own):
         yield
         return
+    group = _own_autogroup_nice()
     os.setpriority(os.PRIO_PROCESS, 0, LOWEST_PRIORITY)
+    if group is not None:
+        _set_autogroup_nice(LOWEST_PRIORITY)
+    log.info("importing at nice %d%s", LOWEST_PRIORITY, " (and its autogroup)" if group is not
+             None else "", extra=context)  # fmt: skip
     try:
         yield
     finally:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, own)
-        except PermissionError:
+            if group is not None:
+                _set_autogroup_nice(group)
+        except OSError:
             log.warning("could not return to nice %d after the import", own, extra=context)
+
+
+AUTOGROUP = Path("/proc/self/autogroup")
+
+
+def _own_autogroup_nice() -> int | None:
+    """The nice value of this process's autogroup when the process leads its session (its
+    autogroup is its own), else None (no autogroups, or one shared with other processes)."""
+    if os.getsid(0) != os.getpid():
+        return None
+    try:
+        return int(AUTOGROUP.read_text().split()[-1])  # "/autogroup-85 nice 0"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _set_autogroup_nice(nice: int) -> None:
+    AUTOGROUP.write_text(str(nice))

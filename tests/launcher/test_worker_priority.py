@@ -4,6 +4,9 @@ return to its own afterwards (`worker.priority`)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +34,24 @@ def test_not_when_disabled_nor_when_it_could_not_return(monkeypatch: pytest.Monk
     with priority.lowest_priority(True, {}):
         assert _nice() == own
     assert _nice() == own
+
+
+def test_a_session_leader_sets_its_autogroup_too() -> None:
+    """With autogroups a nice value weighs only within the session: a node task leading its
+    session (as each SLURM task does) sets its autogroup's nice value as well, and back."""
+    if not priority.AUTOGROUP.exists() or not priority.may_raise_priority_to(_nice()):
+        pytest.skip("no autogroups here, or no way back from nice 19")
+    probe = (
+        "from worker.priority import AUTOGROUP, lowest_priority\n"
+        "group = lambda: AUTOGROUP.read_text().split()[-1]\n"
+        "before = group()\n"
+        "with lowest_priority(True, {}):\n"
+        "    inside = group()\n"
+        "print(before, inside, group())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+        start_new_session=True, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    before, inside, after = out.stdout.split()
+    assert (inside, after) == (str(priority.LOWEST_PRIORITY), before)
