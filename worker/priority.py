@@ -7,8 +7,9 @@ node beside a job still saving) it takes only the time training leaves idle. It 
 its own priority after the import, so ranks it forks later run at the priority it was started
 with; where it could not go back (no CAP_SYS_NICE, an RLIMIT_NICE that does not allow it) it
 imports at its own priority instead. With the kernel's autogroups (`sched_autogroup_enabled`)
-a nice value weighs only against the same session's threads, and every SLURM task is a session
-of its own: a node task that leads its session sets its autogroup's nice value too.
+a nice value weighs only against the same session's threads, and each node's step on a host
+(its slurmstepd and the task under it) is a session of its own: a node task whose session
+holds only it and its ancestors (which wait on it) sets its autogroup's nice value too.
 """
 
 from __future__ import annotations
@@ -69,14 +70,29 @@ AUTOGROUP = Path("/proc/self/autogroup")
 
 
 def _own_autogroup_nice() -> int | None:
-    """The nice value of this process's autogroup when the process leads its session (its
-    autogroup is its own), else None (no autogroups, or one shared with other processes)."""
-    if os.getsid(0) != os.getpid():
+    """The nice value of this process's autogroup when its session holds no process but it
+    and its ancestors, else None (no autogroups, or one shared with other work)."""
+    if not _session_is_ours():
         return None
     try:
         return int(AUTOGROUP.read_text().split()[-1])  # "/autogroup-85 nice 0"
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _session_is_ours() -> bool:
+    sid, stats = os.getsid(0), {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                # after the command's closing parenthesis: state, ppid, pgrp, session, ...
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(entry.name)] = (int(fields[1]), int(fields[3]))
+    ancestors, pid = set(), os.getpid()
+    while pid > 1 and pid in stats:
+        ancestors.add(pid)
+        pid = stats[pid][0]
+    return all(p in ancestors for p, (_ppid, session) in stats.items() if session == sid)
 
 
 def _set_autogroup_nice(nice: int) -> None:
