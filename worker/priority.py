@@ -18,7 +18,8 @@ import contextlib
 import logging
 import os
 import resource
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger("nightwatch.worker")
@@ -42,28 +43,65 @@ def may_raise_priority_to(nice: int) -> bool:
     return bool(int(caps, 16) >> CAP_SYS_NICE & 1)
 
 
+#: How often a node importing at the lowest priority looks whether it is needed now.
+NEEDED_POLL_S = 0.05
+
+
 @contextlib.contextmanager
-def lowest_priority(enabled: bool, context: dict[str, object]) -> Iterator[None]:
-    """Run the body at nice 19 when `enabled` and the priority can be restored afterwards."""
+def lowest_priority(
+    enabled: bool, context: dict[str, object], needed: Callable[[], bool] | None = None
+) -> Iterator[None]:
+    """Run the body at nice 19 when `enabled` and the priority can be restored afterwards;
+    back at once when `needed()` turns true (an order that runs ranks here came: the import
+    is then in the way of the restart, not of the training)."""
     own = os.getpriority(os.PRIO_PROCESS, 0)
     if not enabled or own >= LOWEST_PRIORITY or not may_raise_priority_to(own):
         yield
         return
-    group = _own_autogroup_nice()
-    os.setpriority(os.PRIO_PROCESS, 0, LOWEST_PRIORITY)
-    if group is not None:
-        _set_autogroup_nice(LOWEST_PRIORITY)
-    log.info("importing at nice %d%s", LOWEST_PRIORITY, " (and its autogroup)" if group is not
-             None else "", extra=context)  # fmt: skip
+    lowered = _Lowered(own, _own_autogroup_nice(), threading.get_native_id(), context)
+    log.info("importing at nice %d%s", LOWEST_PRIORITY, " (and its autogroup)" if
+             lowered.group is not None else "", extra=context)  # fmt: skip
+    done = threading.Event()
+    if needed is not None:
+
+        def watch() -> None:
+            while not done.wait(NEEDED_POLL_S):
+                if needed():
+                    log.info("needed now: back to nice %d", own, extra=context)
+                    lowered.restore()
+                    return
+
+        threading.Thread(target=watch, name="nw-priority", daemon=True).start()
     try:
         yield
     finally:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, own)
-            if group is not None:
-                _set_autogroup_nice(group)
-        except OSError:
-            log.warning("could not return to nice %d after the import", own, extra=context)
+        done.set()
+        lowered.restore()
+
+
+class _Lowered:
+    """One thread (and its autogroup) at nice 19 until `restore` (once, from any thread)."""
+
+    def __init__(self, own: int, group: int | None, tid: int, context: dict[str, object]):
+        self.own, self.group, self.tid, self.context = own, group, tid, context
+        self._lock = threading.Lock()
+        self._restored = False
+        os.setpriority(os.PRIO_PROCESS, tid, LOWEST_PRIORITY)
+        if group is not None:
+            _set_autogroup_nice(LOWEST_PRIORITY)
+
+    def restore(self) -> None:
+        with self._lock:
+            if self._restored:
+                return
+            self._restored = True
+            try:
+                os.setpriority(os.PRIO_PROCESS, self.tid, self.own)
+                if self.group is not None:
+                    _set_autogroup_nice(self.group)
+            except OSError:
+                log.warning("could not return to nice %d after the import", self.own,
+                            extra=self.context)  # fmt: skip
 
 
 AUTOGROUP = Path("/proc/self/autogroup")

@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -138,7 +138,8 @@ class TrainingTask:
         try:
             # a node that runs no ranks yet imports with what CPU training leaves idle
             idle = self._scheduled(info) is None
-            with lowest_priority(idle, self._context(info.job_id)):
+            context = self._context(info.job_id)
+            with lowest_priority(idle, context, needed=self._needed(info) if idle else None):
                 _preload(self.entry)
             name_process(NODE_PROCESS_NAME)
             code = self._node(info, early)
@@ -203,6 +204,20 @@ class TrainingTask:
                 if rank in mine:
                     exit_code_path(Path(info.folder), info.job_id, rank).write_text(str(rank_code))
         return code
+
+    def _needed(self, info: TaskInfo) -> Callable[[], bool] | None:
+        """Whether an order that runs ranks on this node came (None: no orders here)."""
+        if not (self.run_dir and self.restart_wait_s):
+            return None
+        watch = OrderWatch(job_control_dir(Path(self.run_dir), info.job_id), self.follows)
+
+        def needed() -> bool:
+            if not watch.newer():
+                return False
+            assert watch.order is not None
+            return node_name() in self._ordered(watch.order, info.job_id)._nodes(info)
+
+        return needed
 
     @property
     def follows(self) -> int:

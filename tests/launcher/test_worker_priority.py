@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,17 @@ def test_a_session_leader_sets_its_autogroup_too() -> None:
     )  # fmt: skip
     before, inside, after = out.stdout.split()
     assert (inside, after) == (str(priority.LOWEST_PRIORITY), before)
+
+
+def test_an_order_that_needs_the_node_returns_its_priority_during_the_import() -> None:
+    if not priority.may_raise_priority_to(_nice()):
+        pytest.skip("this process may not lower its nice value again")
+    own, order = _nice(), threading.Event()
+    with priority.lowest_priority(True, {}, needed=order.is_set):
+        assert _nice() == priority.LOWEST_PRIORITY
+        order.set()
+        deadline = time.monotonic() + 30
+        while _nice() != own and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _nice() == own
+    assert _nice() == own
