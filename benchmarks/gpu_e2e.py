@@ -347,7 +347,8 @@ def preempt_job(stack: Stack, run_id: str, step: int, out: dict[str, float]) -> 
         run = stack.api("GET", f"/v1/runs/{run_id}")
         if run["state"] in TERMINAL:
             return
-        if (run["last_step"] or 0) >= step and run["attempts"]:
+        steps = [r["step"] for r in training_log(stack.home, run_id) if r.get("event") == "step"]
+        if steps and max(steps) >= step and run["attempts"]:
             job = run["attempts"][-1]["job_id"]
             out["term_t"] = time.time()
             subprocess.run(["scancel", "--signal=TERM", str(job)], env=stack.env, timeout=30)
