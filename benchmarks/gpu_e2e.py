@@ -395,6 +395,12 @@ def one_run(
         result["term_to_first_step_s"] = (
             round(later[0]["ts"] - term["term_t"], 2) if later else None
         )
+        # where that went before the requeue: the signal's way to the step, then its save
+        stop = next((r for r in records if r.get("event") == "stopping_on_signal"), None)
+        end = next((r for r in records if r.get("event") == "train_end"), None)
+        if stop is not None and end is not None:
+            result["term_to_stopping_s"] = round(stop["ts"] - term["term_t"], 2)
+            result["stopping_to_train_end_s"] = round(end["ts"] - stop["ts"], 2)
     print(json.dumps(result), flush=True)
     return result
 
