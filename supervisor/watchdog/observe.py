@@ -355,6 +355,23 @@ class Observer:
             nodes_needed=nodes_needed,
         )
 
+    def submitted_signal_lead(self, run_id: str, job_id: str) -> float | None:
+        """The stop signal's lead the job was submitted with (its submission's recorded
+        outcome), None when no submission recorded one."""
+        with self.db.session() as s:
+            rows = s.scalars(
+                select(Action).where(
+                    Action.run_id == run_id,
+                    Action.kind.in_([ActionKind.SUBMIT, ActionKind.PREPARE_SUCCESSOR]),
+                    Action.state == ActionState.DONE,
+                )
+            ).all()
+        for action in rows:
+            result = action.result_json or {}
+            if result.get("job_id") == job_id and "signal_lead_s" in result:
+                return float(result["signal_lead_s"])
+        return None
+
     def _rollbacks(self, run_id: str) -> list[tuple[int, float | None]]:
         """(to_step, first start of any later attempt) of the run's rollbacks (and of the
         exclusions that resumed from a named step)."""

@@ -189,6 +189,8 @@ class Reconciler:
         self._probed: dict[tuple[str, int], float] = {}
         #: (run, attempt) whose successor was prepared (or tried): asked once per attempt.
         self._successors: set[tuple[str, int]] = set()
+        #: job id → the lead of its stop signal, as its submission recorded it.
+        self._leads: dict[str, float] = {}
 
     # ------------------------------------------------------------------ loop
 
@@ -524,24 +526,34 @@ class Reconciler:
     def _prepare_successor(self, run: Run, attempt: Attempt, spec: RunSpec, snap: Snapshot) -> None:
         """Submit the next attempt's standby job (`Actuator.prepare_successor`; once per
         attempt) when the ranks stop on a signal, or when the job's time limit is nearer
-        than its stop signal's lead plus what a successor needs to be ready: the run's
-        measured start-up (imports, set-up, first step) and `SUCCESSOR_SLACK_S` for SLURM."""
+        than its stop signal's lead (the one it was submitted with) plus what a successor
+        needs to be ready: the run's measured start-up (imports, set-up, first step) and
+        `SUCCESSOR_SLACK_S` for SLURM."""
         rc = spec.recovery
         key = (run.id, attempt.number)
         if not (rc.restart_in_job and rc.prepare_successor) or key in self._successors:
             return
-        lead, _ = signal_lead(
-            self.observer.save_timing(run, spec),
-            spec.resources.time_limit_minutes,
-            self.config.signal_delay_s,
-        )
-        ready = snap.startup_seconds_seen or 0.0
-        reason = stopping_on_signal(snap) or walltime_ends_within(
-            snap, lead + ready + SUCCESSOR_SLACK_S
-        )
+        reason = stopping_on_signal(snap)
+        if reason is None and snap.job.time_left_s is not None and attempt.job_id:
+            lead = self._signal_lead(run, attempt.job_id, spec)
+            ready = snap.startup_seconds_seen or 0.0
+            reason = walltime_ends_within(snap, lead + ready + SUCCESSOR_SLACK_S)
         if reason is not None:
             self.actuator.prepare_successor(run.id, attempt.number + 1, reason=reason)
             self._successors.add(key)
+
+    def _signal_lead(self, run: Run, job_id: str, spec: RunSpec) -> float:
+        """The lead of the job's stop signal: as its submission recorded it (kept per job),
+        else as a submission now would compute it."""
+        lead = self._leads.get(job_id)
+        if lead is None:
+            lead = self.observer.submitted_signal_lead(run.id, job_id)
+            if lead is None:
+                timing = self.observer.save_timing(run, spec)
+                minutes = spec.resources.time_limit_minutes
+                return float(signal_lead(timing, minutes, self.config.signal_delay_s)[0])
+            self._leads[job_id] = lead
+        return lead
 
     def _operator_request(
         self,

@@ -18,6 +18,7 @@ from watchdog_curves import Faults, simulate
 from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
 
 from contracts import anomalies
+from contracts.checkpoints import SaveTiming, write_save_timing
 from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
 from contracts.restart import exit_code_path, job_control_dir, read_order
 from contracts.spec import RunSpec
@@ -421,3 +422,19 @@ def test_a_time_limit_near_prepares_the_next_job_before_the_stop_signal(
     assert cluster.tasks[cluster.submitted[-1][0]].standby
     (prepared,) = successor_actions(db, run_id)
     assert prepared.evidence_json["reason"] == f"the job's time limit is {far - 10:.0f} s away"
+
+
+def test_the_time_limit_is_judged_by_the_lead_the_job_was_submitted_with(
+    db: Database, tmp_path: Path
+) -> None:
+    """A save measured since the submission would give a shorter lead (60 s) now; the job's
+    signal still comes at the lead it was submitted with (90 s, none measured then), so the
+    successor is prepared by that one."""
+    rec, cluster, _source, run_id, job = running(db, tmp_path)
+    spec = RunSpec.model_validate(SPEC)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, spec)
+    write_save_timing(ckpt, SaveTiming(step=10, seconds=0.2, stall_seconds=0.2, step_seconds=0.1))
+    left = 60 + reconciler.SUCCESSOR_SLACK_S + 10  # beyond what the measured lead would want
+    cluster.states[job] = dataclasses.replace(cluster.states[job], time_left_s=left)
+    rec.tick()
+    assert len(cluster.submitted) == 2 and len(successor_actions(db, run_id)) == 1
