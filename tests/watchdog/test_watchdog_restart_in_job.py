@@ -307,6 +307,16 @@ def successor_actions(db: Database, run_id: str) -> list[Action]:
         return list(s.scalars(select(Action).where(Action.run_id == run_id, Action.kind == kind)))
 
 
+def stopping(db: Database, tmp_path: Path) -> tuple:
+    """Attempt 1 running, a checkpoint at step 300, and the ranks stopping on a signal there."""
+    rec, cluster, _source, run_id, job = running(db, tmp_path)
+    spec = RunSpec.model_validate(SPEC)
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, spec)
+    write_checkpoint(ckpt, 300, 2400)
+    stop_signal_at(ckpt, 300)
+    return rec, cluster, run_id, job, spec
+
+
 def all_checkpointed(tmp_path: Path, run_id: str, job: str, spec: RunSpec) -> None:
     folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
     folder.mkdir(parents=True, exist_ok=True)
@@ -321,11 +331,7 @@ def test_a_stop_signal_prepares_the_next_job_and_the_requeue_starts_it_by_order(
     standby job (no attempt yet: the run stays on attempt 1 while it saves), once. When the
     ranks have all checkpointed, the requeue cancels the ending job and starts attempt 2 in
     the standby job by an order, with no second sbatch; the standby job is no stray."""
-    rec, cluster, _source, run_id, job = running(db, tmp_path)
-    spec = RunSpec.model_validate(SPEC)
-    ckpt = checkpoint_dir(tmp_path / "home", run_id, spec)
-    write_checkpoint(ckpt, 300, 2400)
-    stop_signal_at(ckpt, 300)
+    rec, cluster, run_id, job, spec = stopping(db, tmp_path)
     rec.tick()
     assert len(cluster.submitted) == 2
     successor, request = cluster.submitted[-1]
@@ -353,11 +359,7 @@ def test_a_stop_signal_prepares_the_next_job_and_the_requeue_starts_it_by_order(
 def test_a_standby_job_slurm_no_longer_holds_is_not_taken(db: Database, tmp_path: Path) -> None:
     """A standby job that ended (its wait ran out, or it was cancelled) is not the next
     attempt's: the requeue submits anew and does not adopt it by its name."""
-    rec, cluster, _source, run_id, job = running(db, tmp_path)
-    spec = RunSpec.model_validate(SPEC)
-    ckpt = checkpoint_dir(tmp_path / "home", run_id, spec)
-    write_checkpoint(ckpt, 300, 2400)
-    stop_signal_at(ckpt, 300)
+    rec, cluster, run_id, job, spec = stopping(db, tmp_path)
     rec.tick()
     successor = cluster.submitted[-1][0]
     cluster.set(successor, JobState.COMPLETED, exit_code=0)
@@ -373,11 +375,7 @@ def test_a_standby_job_slurm_no_longer_holds_is_not_taken(db: Database, tmp_path
 def test_a_supervisor_killed_while_preparing_the_successor_submits_it_once(
     db: Database, tmp_path: Path, cut: str
 ) -> None:
-    rec, cluster, _source, run_id, _job = running(db, tmp_path)
-    spec = RunSpec.model_validate(SPEC)
-    ckpt = checkpoint_dir(tmp_path / "home", run_id, spec)
-    write_checkpoint(ckpt, 300, 2400)
-    stop_signal_at(ckpt, 300)
+    rec, cluster, run_id, _job, _spec = stopping(db, tmp_path)
     cluster.crash_before_submit = cut == "before_submit"
     cluster.crash_after_submit = cut == "after_submit"
     with pytest.raises(Crash):
