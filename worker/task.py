@@ -159,11 +159,7 @@ class TrainingTask:
         restarts = bool(self.run_dir and self.restart_wait_s)
         tiers = _memory_tiers(self.ranks_per_task) if self.memory_tier and restarts else {}
         while True:
-            watch = (
-                OrderWatch(job_control_dir(Path(task.run_dir), info.job_id), task.follows)
-                if task.run_dir and task.restart_wait_s
-                else None
-            )
+            watch = task._order_watch(info)
             placed = task._scheduled(info)
             if placed is None:
                 assert watch is not None  # spares exist only with restarts inside the job
@@ -205,11 +201,17 @@ class TrainingTask:
                     exit_code_path(Path(info.folder), info.job_id, rank).write_text(str(rank_code))
         return code
 
-    def _needed(self, info: TaskInfo) -> Callable[[], bool] | None:
-        """Whether an order that runs ranks on this node came (None: no orders here)."""
+    def _order_watch(self, info: TaskInfo) -> OrderWatch | None:
+        """A watch on the job's restart orders (None: no restarts inside this job)."""
         if not (self.run_dir and self.restart_wait_s):
             return None
-        watch = OrderWatch(job_control_dir(Path(self.run_dir), info.job_id), self.follows)
+        return OrderWatch(job_control_dir(Path(self.run_dir), info.job_id), self.follows)
+
+    def _needed(self, info: TaskInfo) -> Callable[[], bool] | None:
+        """Whether an order that runs ranks on this node came (None: no orders here)."""
+        watch = self._order_watch(info)
+        if watch is None:
+            return None
 
         def needed() -> bool:
             if not watch.newer():

@@ -80,8 +80,7 @@ def parse_sacct(text: str) -> dict[str, JobStatus]:
             raise SourceUnavailable(f"unexpected sacct line: {line!r}")
         job_id, raw_state, exit_text, nodelist, reason = cols[: len(SACCT_FIELDS)]
         code, sig = parse_exit_code(exit_text)
-        left = parse_time_left(cols[5]) if len(cols) > 5 else None
-        out[job_id] = _status(job_id, raw_state, nodelist, reason, code, sig, left)
+        out[job_id] = _status(job_id, raw_state, nodelist, reason, code, sig)
     return out
 
 
