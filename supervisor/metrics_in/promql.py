@@ -1,10 +1,13 @@
 """`PrometheusSource`: the watchdog's metrics from a Prometheus server, in batched PromQL.
 
-Each tick it sends ONE instant query per metric for all runs at once, with a range selector
-(`metric[Δs]`) so the answer holds the raw scraped samples with their true scrape timestamps
-(not re-evaluated values), covering only what arrived since the previous tick (the whole
-trailing window on the first tick). Failures make a view DOWN, old data makes it STALE, no
-data makes it MISSING: never UP. Also the report's loss curve (`loss_history`).
+Each tick it sends ONE instant query for every metric of all runs at once, with a range
+selector (`{__name__=~"…"}[Δs]`) so the answer holds the raw scraped samples with their true
+scrape timestamps (not re-evaluated values), covering only what arrived since the previous tick
+(the whole trailing window on the first tick), and one more for the nodes its finders name.
+One query is one read of the TSDB: a scrape is in it whole or not at all (Prometheus isolates
+queries from half-appended scrapes), where one query per metric could see a scrape's loss and
+not yet its step. Failures make a view DOWN, old data makes it STALE, no data makes it
+MISSING: never UP. Also the report's loss curve (`loss_history`).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ _PLAIN_ID = re.compile(r"[A-Za-z0-9_-]+")
 PEER_STEP_QUERY = (
     f"max by (run_id, attempt) ({STEP_ENTERED}) and on(run_id, attempt) ({DARK_QUERY})"
 )
-#: What the detectors need; PrometheusSource queries only these (one query each).
+#: What the detectors need; PrometheusSource reads them all in one range query a tick.
 QUERIED_FIELDS = (
     "step",
     "last_step_ts",
@@ -74,6 +77,22 @@ QUERIED_FIELDS = (
     "eval_loss",
     "eval_step",
     "eval_resumed_loss",
+)
+#: The label `FINDERS_QUERY` tags each finder's series with.
+FINDER_LABEL = "nw_finder"
+#: The instant queries that find nodes, by name: the nodes whose NaN-gradient counter moved
+#: (a filter, so a healthy fleet answers with nothing), nodes behind their peers, dark nodes,
+#: and the steps their peers began.
+FINDERS = {
+    "nonfinite": f"{NONFINITE_GRADS} > 0",
+    "lagging": LAGGING_QUERY,
+    "dark": DARK_QUERY,
+    "peers": PEER_STEP_QUERY,
+}
+#: All finders in one query, each series tagged with its finder's name (`or` keeps them all:
+#: the tags differ, so no label sets match).
+FINDERS_QUERY = " or ".join(
+    f'label_replace({query}, "{FINDER_LABEL}", "{name}", "", "")' for name, query in FINDERS.items()
 )
 
 
@@ -177,6 +196,18 @@ def _nodes_by_key(series: Iterable[Series], wanted: set[RunKey]) -> dict[RunKey,
     return out
 
 
+def _by_label(
+    series: Iterable[Series], label: str, names: Iterable[str]
+) -> dict[str, list[Series]]:
+    """The series of one answer split by a label's value, for each of `names` (pure)."""
+    out: dict[str, list[Series]] = {name: [] for name in names}
+    for s in series:
+        group = out.get(s.labels.get(label, ""))
+        if group is not None:
+            group.append(s)
+    return out
+
+
 def failing_since_query(run_ids: Iterable[str]) -> str | None:
     """The raw `up` samples of these runs' targets over FAILING_LOOKBACK_S (None: none)."""
     plain = sorted({r for r in run_ids if _PLAIN_ID.fullmatch(r)})
@@ -230,7 +261,8 @@ def _key(labels: Mapping[str, str], wanted: set[RunKey]) -> RunKey | None:
 
 
 class PrometheusSource:
-    """PromQL over HTTP: one query per metric for all runs per tick, retried with tenacity.
+    """PromQL over HTTP: two queries a tick for all runs (the metrics, the finders), retried
+    with tenacity.
 
     With a `bridge` (a ScrapeSource over the registered endpoints), an attempt that Prometheus
     has not scraped yet is scraped directly: Prometheus passes service-discovery updates to its
@@ -252,7 +284,6 @@ class PrometheusSource:
         stale_after_s: float = 30.0,
         timeout_s: float = 5.0,
         attempts: int = 2,
-        parallel: int = 4,
         client: httpx.Client | None = None,
         bridge: ScrapeSource | None = None,
     ) -> None:
@@ -266,12 +297,13 @@ class PrometheusSource:
             timeout=timeout_s, headers={"Accept-Encoding": "identity"}
         )
         self._attempts = attempts
-        self._parallel = parallel
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="promql")
         self._last_query_t: float | None = None
         self.last_error: str | None = None
         self.queries = 0
 
     def close(self) -> None:
+        self._pool.shutdown()
         self._client.close()
 
     def _query(self, promql: str, at: float) -> list[Series]:
@@ -303,26 +335,24 @@ class PrometheusSource:
             since = now - self.history.window_s
         span = max(1, math.ceil(now - since + 1))  # overlap one second; duplicates are dropped
         names = [RUN_FIELDS[f] for f in QUERIED_FIELDS] + [STEP_TIME]
-        # Only the nodes whose counter moved: an instant query with a filter answers with
-        # nothing on a healthy fleet, where a range query would list every node.
-        queries = [f"{n}[{span}s]" for n in names]
-        queries += [f"{NONFINITE_GRADS} > 0", LAGGING_QUERY, DARK_QUERY, PEER_STEP_QUERY]
+        # Two queries a tick, whatever the metrics: each is a round trip and an evaluation on
+        # the server, which cost both ends more than the samples they carry.
+        queries = [f'{{__name__=~"{"|".join(names)}"}}[{span}s]', FINDERS_QUERY]
         try:
-            with ThreadPoolExecutor(self._parallel) as pool:
-                *results, nonfinite, lagging, dark, peers = pool.map(
-                    lambda q: self._query(q, now), queries
-                )
+            scraped, found = self._pool.map(lambda q: self._query(q, now), queries)
         except (httpx.HTTPError, PrometheusUnavailable, ValueError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.warning(f"prometheus query failed: {self.last_error}")
             return {k: self.history.view(k, now, SourceHealth.DOWN) for k in keys}
         self.last_error = None
         self._last_query_t = now
-        per_metric = dict(zip(names, results, strict=True))
-        for key, samples in assemble(per_metric, keys, self.history.newest()).items():
-            if samples:
+        per_metric = _by_label(scraped, "__name__", names)
+        by_finder = _by_label(found, FINDER_LABEL, FINDERS)
+        nonfinite, lagging, dark, peers = (by_finder[name] for name in FINDERS)
+        for key, samples_of_key in assemble(per_metric, keys, self.history.newest()).items():
+            if samples_of_key:
                 self._scraped_by_prometheus.add(key)
-            for s in samples:
+            for s in samples_of_key:
                 self.history.add(key, s)
         wanted = set(keys)
         for key, nodes in _nodes_by_key(nonfinite, wanted).items():

@@ -25,7 +25,6 @@ from supervisor.metrics_in import (
     Target,
 )
 from supervisor.metrics_in.promql import (
-    QUERIED_FIELDS,
     Series,
     assemble,
     failing_since,
@@ -141,9 +140,8 @@ def test_prometheus_source_observes_detects_and_reports_down(
         prometheus.wait_for_series('nightwatch_train_step{node="n2"}')
         time.sleep(2.5)
         views = source.collect([R1, ("r9", 1)], time.time())
-        # One query per metric for all runs, none per run (+ step times, + NaN-making nodes,
-        # + nodes behind their peers, + dark nodes, + the steps their peers began).
-        assert source.queries == len(QUERIED_FIELDS) + 5
+        # Two queries for all runs, none per run: every metric, and the nodes the finders name.
+        assert source.queries == 2
         r1 = views[R1]
         assert r1.health is SourceHealth.UP, r1
         assert views[("r9", 1)].health is SourceHealth.MISSING
