@@ -29,7 +29,7 @@ class TaskInfo:
     num_nodes: int
     launch_addr: str | None = None
     folder: str | None = None
-    #: How many times the job's ranks were restarted inside it (`contracts.restart`).
+    #: The attempt an order started inside the job, 0 for the job's first (`contracts.restart`).
     generation: int = 0
 
 

@@ -97,7 +97,9 @@ class TrainingTask:
     restart_wait_s: float = 0.0
     #: An attempt started by an order: its job folder (logs, exit codes), not submitit's.
     job_folder: str | None = None
-    #: Restarts inside the job before this attempt (each rendezvous on a new port).
+    #: The attempt an order started inside the job (0: the job's first, as submitted): each
+    #: such attempt rendezvous on a port of its own (`worker.env.master_port`), the same on
+    #: every node, whichever orders before it the node saw.
     generation: int = 0
     #: Nodes of the job that run ranks when it starts (its first ones); the others are
     #: spares (`resources.spare_nodes`). 0: every node.
@@ -264,7 +266,7 @@ class TrainingTask:
             mtbf_seconds=order.mtbf_seconds,
             env=tuple(sorted(env.items())),
             job_folder=str(Path(order.log_dir) / job_id),
-            generation=self.generation + 1,
+            generation=order.attempt,
             nodes=tuple(order.nodes) or self.nodes,
             standby=False,
         )

@@ -94,3 +94,30 @@ def test_registrar_never_raises_when_supervisor_is_down_or_refuses():
         assert Registrar(sup.url, "wrong-token", "r", 1, "n1").beat() is False
         url = sup.url
     assert Registrar(url, "w", "r", 1, "n1", timeout_s=0.5).beat() is False
+
+
+def test_every_node_of_an_ordered_attempt_finds_the_same_port(tmp_path, monkeypatch):
+    """Only the newest order is kept: a node that missed one (a spare still importing when two
+    came) must rendezvous where the nodes that saw both do."""
+    from contracts.restart import RestartOrder
+    from worker.task import TrainingTask
+
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")
+    hosts = ("n1", "n2", "n3")
+    task = TrainingTask(
+        "r-1", 1, "{}", str(tmp_path), run_dir=str(tmp_path), restart_wait_s=5.0,
+        active_nodes=2,
+    )  # fmt: skip
+
+    def order(attempt: int, nodes: tuple[str, ...]) -> RestartOrder:
+        return RestartOrder(attempt=attempt, log_dir=str(tmp_path / f"a{attempt}"), nodes=nodes)
+
+    saw_both = task._ordered(order(2, ("n1", "n3")), "7")._ordered(order(3, ("n2", "n3")), "7")
+    saw_last = task._ordered(order(3, ("n2", "n3")), "7")
+    job = TaskInfo("7", hosts, 1, 0, num_tasks=3, num_nodes=3, launch_addr="127.0.0.1")
+    ports = {
+        dist_env(t._scheduled(job), resolves=lambda h: True)["MASTER_PORT"]  # type: ignore[arg-type]
+        for t in (saw_both, saw_last)
+    }
+    first = dist_env(task._scheduled(job), resolves=lambda h: True)["MASTER_PORT"]  # type: ignore[arg-type]
+    assert len(ports) == 1 and first not in ports
