@@ -35,7 +35,8 @@ CLEAN = "clean"
 #: The line written when the trainer stops on its budget of skipped updates.
 STOP = "skip_budget"
 #: A node whose busy time per step was above `straggler_ratio` × the other nodes' in more than
-#: half of the last `straggler_steps` steps (`nodes` names it, `ratio` says by how much).
+#: half of the last `straggler_steps` steps, or above twice the others' in each of the last
+#: third of them (`nodes` names it, `ratio` says by how much, `window_steps` over how many steps).
 STRAGGLER = "straggler"
 #: The step at which the ranks learned of a stop signal (walltime or preemption warning):
 #: they save there and leave with exit 75, and the run is requeued.

@@ -329,7 +329,8 @@ class RecoverySpec(_Strict):
         le=10_000,
         description="The trainer names a straggler: a node whose step time (its slowest "
         "rank's time before the step's all-reduce) was above straggler_ratio × the median "
-        "of the other nodes' in more than half of the last this many steps.",
+        "of the other nodes' in more than half of the last this many steps, or above twice "
+        "the others' in each of the last third of them (a severe straggler).",
     )
     hang_factor: float = Field(default=10.0, gt=1, description="× median step time.")
     hang_floor_seconds: float = Field(default=60.0, gt=0)

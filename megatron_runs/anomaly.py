@@ -141,23 +141,40 @@ def node_busy(
     return out
 
 
+#: A node whose steps take this many times the others' (or `straggler_ratio` × if more) costs
+#: the job more than a healthy step at each step: it is named after `severe_steps(steps)` such
+#: steps in a row instead of a majority of the window.
+SEVERE_RATIO = 2.0
+
+
+def severe_steps(steps: int) -> int:
+    """How many steps in a row a severe straggler is slow for before it is named: a third of
+    the window (5 of 16), at least 4. A healthy node's stalls rarely come in such runs: one step
+    in 20 stalled 1-5× makes five in a row above 2× about once in 10^7 steps."""
+    return max(4, steps // 3)
+
+
 class StragglerWatch:
     """Each node's step time over the median of the other nodes', for the last `steps` steps.
 
     A node is named once it was slower than `ratio` × the others in more than half of its
     last `steps` steps: neither a few noisy steps of a healthy node nor a few normal ones of a
-    slow node decide. Named once per episode: again only after it was slow in at most half.
-    Needs two nodes (one node has nobody to be slower than)."""
+    slow node decide. A node slower than `SEVERE_RATIO` × the others in each of its last
+    `severe_steps(steps)` steps is named then: waiting for the majority would cost more than
+    a healthy step's time at each step. Named once per episode: again only after it was slow in at
+    most half. Needs two nodes (one node has nobody to be slower than)."""
 
     def __init__(self, ratio: float, steps: int) -> None:
         self.ratio = ratio
         self.steps = steps
+        self.severe = severe_steps(steps)
+        self.severe_ratio = max(SEVERE_RATIO, ratio)
         self.ratios: dict[str, deque[float]] = {}
         self.named: set[str] = set()
 
-    def observe(self, busy: Mapping[str, float]) -> dict[str, float]:
+    def observe(self, busy: Mapping[str, float]) -> dict[str, tuple[float, int]]:
         """Add one step's node times; the nodes named at this step, each with the median of
-        its slow steps' ratios."""
+        its slow steps' ratios and the steps it was judged over."""
         if len(busy) < 2:
             return {}
         out = {}
@@ -166,11 +183,16 @@ class StragglerWatch:
             window = self.ratios.setdefault(node, deque(maxlen=self.steps))
             window.append(t / ref if ref > 0 else 1.0)
             slow = [r for r in window if r > self.ratio]
-            if 2 * len(slow) <= self.steps:
+            recent = list(window)[-self.severe :]
+            severe = len(recent) == self.severe and min(recent) > self.severe_ratio
+            if 2 * len(slow) <= self.steps and not severe:
                 self.named.discard(node)
             elif node not in self.named:
                 self.named.add(node)
-                out[node] = statistics.median(slow)
+                if 2 * len(slow) > self.steps:
+                    out[node] = (statistics.median(slow), self.steps)
+                else:
+                    out[node] = (statistics.median(recent), self.severe)
         return out
 
 

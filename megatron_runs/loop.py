@@ -343,12 +343,12 @@ def _judge_nodes(ctx: TrainContext, tr: Trainer, done: _Step, watch: StragglerWa
     """Name a node that keeps stepping slower than the others (the same on every rank);
     global rank 0 records it, so the watchdog moves off it without waiting for scrapes."""
     named = watch.observe(node_busy(done.rank_busy, tr.rank_nodes, tr.nodes))
-    for node, ratio in named.items():
-        record = straggler_record(done.step, node, ratio, watch.steps, ctx.attempt, time.time())
+    for node, (ratio, steps) in named.items():
+        record = straggler_record(done.step, node, ratio, steps, ctx.attempt, time.time())
         if tr.rank == 0:
             anomalies.append(tr.root, record)
         tr.log("straggler", step=done.step, node=node, ratio=round(ratio, 3),
-               window_steps=watch.steps)  # fmt: skip
+               window_steps=steps)  # fmt: skip
 
 
 def _announce_stop(ctx: TrainContext, tr: Trainer, done: _Step) -> None:

@@ -31,6 +31,7 @@ from megatron_runs.anomaly import (
     clean_record,
     judge,
     node_busy,
+    severe_steps,
     straggler_record,
 )
 from supervisor.metrics_in import MetricSample
@@ -390,11 +391,29 @@ def _named(watch: StragglerWatch, series: list[dict[str, float]]) -> list[tuple[
     return [(step, node) for step, busy in enumerate(series, 1) for node in watch.observe(busy)]
 
 
+def test_a_severe_straggler_is_named_after_a_third_of_the_window() -> None:
+    """n2 steps 3.95× slower from step 21 (above twice the others): named at step 25, its 5th
+    slow step in a row, judged over those 5; a normal step among them starts the count again;
+    1.9× waits for the majority (step 29, over 16)."""
+    normal = {"n1": 0.07, "n2": 0.07, "n3": 0.07}
+    severe = {**normal, "n2": 0.07 * 3.95}
+    watch = StragglerWatch(ratio=1.5, steps=16)
+    found = {}
+    for step, busy in enumerate([normal] * 20 + [severe] * 40, 1):
+        found.update({(step, n): v for n, v in watch.observe(busy).items()})
+    assert list(found) == [(25, "n2")] and found[(25, "n2")] == (pytest.approx(3.95), 5)
+    broken = [normal] * 20 + [severe] * 3 + [normal] + [severe] * 40  # the majority: step 30
+    assert _named(StragglerWatch(1.5, 16), broken) == [(29, "n2")]
+    mild = {**normal, "n2": 0.07 * 1.9}
+    assert _named(StragglerWatch(1.5, 16), [normal] * 20 + [mild] * 40) == [(29, "n2")]
+    assert severe_steps(16) == 5 and severe_steps(8) == 4
+
+
 def test_the_trainer_names_a_straggler_once_it_was_slow_in_more_than_half_its_window() -> None:
-    """n2 steps 2.8× slower from step 21: named at step 29, its 9th slow step of 16, once;
+    """n2 steps 1.9× slower from step 21: named at step 29, its 9th slow step of 16, once;
     named again only after an episode of health in between."""
     normal = {"n1": 0.07, "n2": 0.07, "n3": 0.07}
-    slow = {**normal, "n2": 0.196}
+    slow = {**normal, "n2": 0.133}
     watch = StragglerWatch(ratio=1.5, steps=16)
     assert _named(watch, [normal] * 20 + [slow] * 40) == [(29, "n2")]
     assert watch.observe(slow) == {}
