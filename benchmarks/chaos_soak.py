@@ -458,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                 spec if schedule else clean_spec, schedule, cluster, supervisor, tokens,
                 budget, say,
             )  # fmt: skip
+        # The others train as they would without Nightwatch: its supervisor and Prometheus,
+        # idle now (its report is in), would still take CPU from their training.
+        supervisor.stop()
+        cluster.stop_prometheus()
         if args.no_reference:
             say("no reference run (--no-reference)")
         else:
