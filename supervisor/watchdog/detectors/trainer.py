@@ -231,7 +231,7 @@ def _straggler_finding(record: Anomaly) -> Finding:
         kind=FindingKind.STRAGGLER,
         summary=(
             f"trainer: node {node} steps {record.ratio or 0:.2f}× slower than the others "
-            f"(in most of steps {first}-{record.step})"
+            f"(judged over steps {first}-{record.step})"
         ),
         cause=Cause.NODE,
         nodes=(node,),
