@@ -42,6 +42,11 @@ Definitions (the same for Nightwatch and the baseline):
   `ettr_vs_reference_paced` takes that drift out: the reference's time converted to this
   run's pace (× this run's pace / the reference's, both as above) / wall time, so the
   reference's own start-up, saves and steps count as useful, at the speed this run had.
+  The machine's speed also moves within a run (a CPU step took 0.08-0.115 s from one
+  1,000-step stretch to the next of one soak), which one pace for the run counts as time lost
+  or won: `ettr_vs_reference_local` cuts both runs at the faults' steps into stretches, takes
+  each stretch's time beyond its steps at its own pace (`excess_s`), and charges this run
+  with what its stretches lost beyond the reference's: 1 − (excess − the reference's) / wall.
 - loss: every step of the final trajectory against the exact reference's (`reference.py`:
   it sees the same samples and applies the same updates), equal bit for bit or not;
   `final_loss` is the last step's, `loss_rel_diff` only says how far apart they are.
@@ -149,6 +154,8 @@ class SystemScore:
     loss_mismatches: list[tuple[int, float | None, float | None]] = field(default_factory=list)
     #: The reference's time at this system's pace / wall time (None: no reference).
     ettr_vs_reference_paced: float | None = None
+    #: 1 − (the time its stretches lost beyond the reference's, each at its own pace) / wall.
+    ettr_vs_reference_local: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -473,6 +480,25 @@ def pace_s(progress: Progress, window: int) -> float | None:
     return statistics.median(paces) if paces else None
 
 
+def excess_s(progress: Progress, bounds: Sequence[int], t0: float, window: int) -> float | None:
+    """Seconds lost beside the machine's drift: the run from `t0` cut at the steps `bounds`
+    into stretches, each stretch's time (from the first completion of its first step to that
+    of its last) beyond its steps at its own pace (`pace_s` over its steps; the whole run's
+    where it holds no window), summed. None when the run never reached a bound."""
+    whole = pace_s(progress, window)
+    if whole is None:
+        return None
+    total, step, t = 0.0, 0, t0
+    for bound in sorted(set(bounds)):
+        reached = progress.first_reaching(bound)
+        if reached is None:
+            return None
+        stretch = Progress(steps=[e for e in progress.steps if step < e.step <= bound])
+        total += reached.t - t - (bound - step) * (pace_s(stretch, window) or whole)
+        step, t = bound, reached.t
+    return total
+
+
 #: Mismatching steps listed in a score (the count is `loss_steps_compared` − equal ones).
 MISMATCHES_SHOWN = 5
 
@@ -517,13 +543,18 @@ def score_system(
     wall = max(1e-9, end_t - submit_t)
     pace = pace_s(progress, pace_window)
     ettr = good * pace / wall if pace else None
-    ettr_ref = ettr_paced = None
+    ettr_ref = ettr_paced = ettr_local = None
     if reference is not None and reference_submit_t is not None and final_step:
         to_step = time_to_step(reference, final_step, reference_submit_t)
         ettr_ref = to_step / wall if to_step is not None else None
         ref_pace = pace_s(reference, pace_window)
         if to_step is not None and pace and ref_pace:
             ettr_paced = to_step * (pace / ref_pace) / wall
+        cuts = [i.fault.at_step for i in injections if i.fault.at_step < final_step]
+        lost = excess_s(progress, [*cuts, final_step], submit_t, pace_window)
+        ref_lost = excess_s(reference, [*cuts, final_step], reference_submit_t, pace_window)
+        if lost is not None and ref_lost is not None:
+            ettr_local = 1 - (lost - ref_lost) / wall
     final_loss = traj[final_step].loss if final_step else None
     ref_loss, rel, equal, compared, unequal, mismatches = None, None, None, 0, 0, []
     if reference is not None:
@@ -545,6 +576,7 @@ def score_system(
         ettr=ettr,
         ettr_vs_reference=ettr_ref,
         ettr_vs_reference_paced=ettr_paced,
+        ettr_vs_reference_local=ettr_local,
         final_loss=final_loss,
         reference_loss=ref_loss,
         loss_rel_diff=rel,
@@ -608,6 +640,7 @@ def system_table(scores: Sequence[SystemScore]) -> str:
         ("ETTR (own pace)", lambda s: _fmt(s.ettr, ".1%")),
         ("ETTR vs reference", lambda s: _fmt(s.ettr_vs_reference, ".1%")),
         ("ETTR vs reference, paced", lambda s: _fmt(s.ettr_vs_reference_paced, ".1%")),
+        ("ETTR vs reference, local", lambda s: _fmt(s.ettr_vs_reference_local, ".1%")),
         ("final loss (reference)", lambda s: f"{_fmt(s.final_loss, '.4f')} "
                                              f"({_fmt(s.reference_loss, '.4f')})"),
         ("final loss Δ", lambda s: _fmt(s.loss_rel_diff, ".2%")),

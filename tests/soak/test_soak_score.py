@@ -21,6 +21,7 @@ from benchmarks.soak.score import (
     Remedy,
     SystemScore,
     comparison,
+    excess_s,
     pace_s,
     score_system,
     steps_lost,
@@ -414,6 +415,36 @@ def test_the_pace_counts_saves_but_not_restarts() -> None:
         p.steps.append(StepEvent(t, step, 1.0, "1/1" if step <= 30 else "2/2"))
     assert pace_s(p, 10) == pytest.approx(1.2)
     assert pace_s(p, 100) is None
+
+
+def test_time_lost_is_read_at_each_stretchs_own_pace() -> None:
+    """The machine halves its speed at step 50 (a fault's step) and a restart after step 75
+    takes 30 s: each stretch at its own pace loses 0, 0 and 30 s, where one pace for the run
+    (1.05 s) reads the slow half as lost and the reference's 1 s steps make the raw ratio 0.56.
+    ETTR against the reference at local paces: 1 − (30 − 0) / 180."""
+    p = Progress()
+    t = 0.0
+    for step in range(1, 101):
+        t += 1.0 if step <= 50 else 2.0
+        if step == 76:
+            t += 30.0
+        p.steps.append(StepEvent(t, step, 10.0 / (1 + step), "1/1" if step <= 75 else "2/2"))
+    ref = run([(0.0, 0, 100, "1/1")])
+    assert excess_s(p, [50, 75, 100], 0.0, 10) == 30.0
+    assert excess_s(ref, [50, 75, 100], 0.0, 10) == 0.0
+    assert excess_s(p, [50, 101], 0.0, 10) is None
+    faults = [
+        Injection(ScheduledFault(FaultKind.STRAGGLER, 50, {}), None),
+        Injection(ScheduledFault(FaultKind.RANK_CRASH, 75, {"rank": 1}), 150.0),
+    ]
+    nw = score_system(
+        "nightwatch", injections=faults, progress=p, remedies=[Remedy(152.0, "restart")],
+        escalations=0, submit_t=0.0, end_t=180.0, target_steps=100, reference=ref,
+        reference_submit_t=0.0,
+    )  # fmt: skip
+    assert nw.ettr_vs_reference == 100 / 180 and nw.ettr_vs_reference_paced == 105 / 180
+    assert nw.ettr_vs_reference_local == 1 - 30 / 180
+    assert "ETTR vs reference, local" in comparison([nw])
 
 
 def test_a_record_behind_another_ranks_unfinished_output_is_kept() -> None:
