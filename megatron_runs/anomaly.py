@@ -161,8 +161,9 @@ class StragglerWatch:
     last `steps` steps: neither a few noisy steps of a healthy node nor a few normal ones of a
     slow node decide. A node slower than `SEVERE_RATIO` × the others in each of its last
     `severe_steps(steps)` steps is named then: waiting for the majority would cost more than
-    a healthy step's time at each step. Named once per episode: again only after it was slow in at
-    most half. Needs two nodes (one node has nobody to be slower than)."""
+    a healthy step's time at each step. Named once per episode, which ends once it was slow in
+    at most half of the window and in none of its last `severe_steps(steps)`. Needs two nodes
+    (one node has nobody to be slower than)."""
 
     def __init__(self, ratio: float, steps: int) -> None:
         self.ratio = ratio
@@ -184,15 +185,15 @@ class StragglerWatch:
             window.append(t / ref if ref > 0 else 1.0)
             slow = [r for r in window if r > self.ratio]
             recent = list(window)[-self.severe :]
+            majority = 2 * len(slow) > self.steps
             severe = len(recent) == self.severe and min(recent) > self.severe_ratio
-            if 2 * len(slow) <= self.steps and not severe:
-                self.named.discard(node)
-            elif node not in self.named:
-                self.named.add(node)
-                if 2 * len(slow) > self.steps:
-                    out[node] = (statistics.median(slow), self.steps)
-                else:
-                    out[node] = (statistics.median(recent), self.severe)
+            if majority or severe:
+                if node not in self.named:
+                    self.named.add(node)
+                    judged = (slow, self.steps) if majority else (recent, self.severe)
+                    out[node] = (statistics.median(judged[0]), judged[1])
+            elif max(recent) <= self.ratio:
+                self.named.discard(node)  # the episode is over
         return out
 
 

@@ -404,6 +404,9 @@ def test_a_severe_straggler_is_named_after_a_third_of_the_window() -> None:
     assert list(found) == [(25, "n2")] and found[(25, "n2")] == (pytest.approx(3.95), 5)
     broken = [normal] * 20 + [severe] * 3 + [normal] + [severe] * 40  # the majority: step 30
     assert _named(StragglerWatch(1.5, 16), broken) == [(29, "n2")]
+    # a normal step after it was named does not end the episode: named once
+    gap = [normal] * 20 + [severe] * 5 + [normal] + [severe] * 10
+    assert _named(StragglerWatch(1.5, 16), gap) == [(25, "n2")]
     mild = {**normal, "n2": 0.07 * 1.9}
     assert _named(StragglerWatch(1.5, 16), [normal] * 20 + [mild] * 40) == [(29, "n2")]
     assert severe_steps(16) == 5 and severe_steps(8) == 4
