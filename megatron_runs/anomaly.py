@@ -190,8 +190,8 @@ class StragglerWatch:
             if majority or severe:
                 if node not in self.named:
                     self.named.add(node)
-                    judged = (slow, self.steps) if majority else (recent, self.severe)
-                    out[node] = (statistics.median(judged[0]), judged[1])
+                    ratios, steps = (slow, self.steps) if majority else (recent, self.severe)
+                    out[node] = (statistics.median(ratios), steps)
             elif max(recent) <= self.ratio:
                 self.named.discard(node)  # the episode is over
         return out
