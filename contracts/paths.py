@@ -31,3 +31,9 @@ def checkpoint_dir(home: Path, run_id: str, spec: RunSpec) -> Path:
 def attempt_log_dir(home: Path, run_id: str, attempt: int) -> Path:
     """One folder per attempt: submitit creates `<job id>/` in it once sbatch answered."""
     return run_dir(home, run_id) / "logs" / f"a{attempt}"
+
+
+def reserve_log_dir(home: Path, run_id: str) -> Path:
+    """Where a run's reserve jobs log (`supervisor.launcher.ReserveFor`): apart from the
+    attempts' folders, so that no attempt ever adopts a reserve job as its own submission."""
+    return run_dir(home, run_id) / "logs" / "reserves"

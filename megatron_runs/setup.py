@@ -51,7 +51,7 @@ class Log:
         self.base = {
             "run_id": ctx.run_id,
             "attempt": ctx.attempt,
-            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "job_id": os.environ.get("NIGHTWATCH_JOB_ID") or os.environ.get("SLURM_JOB_ID"),
             "node": ctx.node,
             "rank": rank,
         }

@@ -65,6 +65,22 @@ def signal_lead(
 
 
 @dataclass(frozen=True)
+class ReserveFor:
+    """A reserve job: `count` nodes that join a running job as its spares (a node fault there
+    used one up) and run its attempts' ranks when an order names them. Its node tasks act as
+    that job's (`worker.task.TrainingTask.reserve_for`): its orders, its attempt's folder, its
+    rendezvous port."""
+
+    job_id: str
+    seq: int
+    count: int
+    #: The nodes that run the job's current attempt, in rank order.
+    attempt_nodes: tuple[str, ...]
+    #: The current attempt's folder for the job (its logs and exit codes).
+    job_folder: Path
+
+
+@dataclass(frozen=True)
 class SubmitPlan:
     """One attempt of one run, as the reconciler decided it."""
 
@@ -92,6 +108,8 @@ class SubmitPlan:
     #: > 0: the job is a successor prepared while the attempt before it stops; its nodes
     #: wait this long for the order that starts the attempt (`worker.task.TrainingTask`).
     standby_wait_s: float = 0.0
+    #: Not an attempt's job but a reserve of spares for one (`ReserveFor`).
+    reserve: ReserveFor | None = None
 
 
 #: Every job Nightwatch submits is named `nw-<run id>-a<attempt>`: how a job the database
@@ -107,6 +125,17 @@ def parse_job_name(name: str) -> tuple[str, int] | None:
     """`job_name`'s inverse: (run id, attempt), or None for a name that is not one of ours."""
     match = re.fullmatch(rf"{re.escape(JOB_PREFIX)}(.+)-a(\d+)", name)
     return (match[1], int(match[2])) if match else None
+
+
+def reserve_job_name(run_id: str, job_id: str, seq: int) -> str:
+    """A reserve job's name: `nw-<run id>-j<job id>-r<seq>`, the `seq`th for job `job_id`."""
+    return f"{JOB_PREFIX}{run_id}-j{job_id}-r{seq}"
+
+
+def parse_reserve_name(name: str) -> tuple[str, str] | None:
+    """`reserve_job_name`'s inverse: (run id, the job it reserves for), or None."""
+    match = re.fullmatch(rf"{re.escape(JOB_PREFIX)}(.+)-j(\d+)-r\d+", name)
+    return (match[1], match[2]) if match else None
 
 
 def job_env(plan: SubmitPlan) -> dict[str, str]:
@@ -139,10 +168,13 @@ def job_request(plan: SubmitPlan) -> JobRequest:
     rank's CPUs."""
     res = plan.spec.resources
     exclude = tuple(sorted({*res.exclude, *plan.exclude}))
+    reserve = plan.reserve
     return JobRequest(
-        job_name=job_name(plan.run_id, plan.attempt),
+        job_name=reserve_job_name(plan.run_id, reserve.job_id, reserve.seq)
+        if reserve
+        else job_name(plan.run_id, plan.attempt),
         log_dir=plan.log_dir,
-        nodes=res.nodes + res.spare_nodes,
+        nodes=reserve.count if reserve else res.nodes + res.spare_nodes,
         tasks_per_node=1,
         ranks_per_task=res.gpus_per_node,
         cpus_per_task=res.cpus_per_task * res.gpus_per_node,
@@ -194,7 +226,7 @@ def _restart_fields(plan: SubmitPlan) -> dict[str, Any]:
     if plan.run_dir is None or not rc.restart_in_job:
         return {}
     spares = plan.spec.resources.spare_nodes
-    return {
+    fields = {
         "run_dir": str(plan.run_dir),
         "restart_wait_s": rc.restart_wait_seconds,
         "active_nodes": plan.spec.resources.nodes if spares else 0,
@@ -202,6 +234,13 @@ def _restart_fields(plan: SubmitPlan) -> dict[str, Any]:
         "standby": plan.standby_wait_s > 0,
         "standby_wait_s": plan.standby_wait_s,
     }
+    if plan.reserve is not None:
+        fields.update(
+            reserve_for=plan.reserve.job_id,
+            nodes=plan.reserve.attempt_nodes,
+            job_folder=str(plan.reserve.job_folder),
+        )
+    return fields
 
 
 def submit(cluster: Cluster, plan: SubmitPlan) -> Submission:

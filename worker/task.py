@@ -114,6 +114,11 @@ class TrainingTask:
     #: `standby_wait_s` for the order that starts attempt `attempt` (and ends without one).
     standby: bool = False
     standby_wait_s: float = 0.0
+    #: A reserve job's task (`supervisor.launcher.ReserveFor`): the running job whose spares
+    #: its nodes are. Its node tasks act as that job's: they read its orders, start as spares
+    #: of its current attempt (`nodes`, `job_folder`) and run the ranks an order gives them
+    #: with its job id (logs, exit codes, rendezvous port).
+    reserve_for: str | None = None
 
     def __call__(self) -> NoReturn:
         early = _EarlyStop()
@@ -123,6 +128,10 @@ class TrainingTask:
         _configure_logging()
         info = task_info()
         log.info("task begin node=%s", node_name(), extra=self._context(info.job_id))
+        if self.reserve_for is not None:
+            log.info("reserve job %s: spare of job %s", info.job_id, self.reserve_for,
+                     extra=self._context(self.reserve_for))  # fmt: skip
+            info = replace(info, job_id=self.reserve_for)
         # torch.cuda.is_available() (cpu_compat calls it on import) asks the driver for its
         # devices unless told to ask NVML, and a CUDA driver touched before a fork fails in the
         # children: every forked rank on a GPU node would fail to select its device.
@@ -325,6 +334,8 @@ class TrainingTask:
 
     def _run(self, info: TaskInfo, early: _EarlyStop) -> int:
         os.environ.update(dist_env(info))
+        # the attempt's job, which a reserve job's rank is not in (SLURM_JOB_ID is the reserve's)
+        os.environ["NIGHTWATCH_JOB_ID"] = info.job_id
         node = node_name()
         context = self._context(info.job_id)
         log.info(

@@ -20,6 +20,7 @@ from pathlib import Path
 from benchmarks.soak.schedule import FaultKind, ScheduledFault
 from benchmarks.soak.services import Cluster, Supervisor
 from megatron_runs.faults import truncate_largest
+from supervisor.launcher import parse_reserve_name
 from worker.ranks import rank_process_name
 
 PREEMPT_GRACE_S = 30.0
@@ -100,17 +101,19 @@ def rank_process(job_id: str, rank: int) -> int | None:
     """The training process of one global rank of a job: Nightwatch's node task forks its
     ranks and names each (`worker.ranks`: `nw-rank<N>` in /proc/<pid>/comm, the environment
     being the node task's); the baseline's ranks are SLURM tasks (SLURM_PROCID), and its
-    python's own children (helpers) are not ranks. The ranks of a node the soak froze are
-    left out: a job that moved to a spare still lists them, and a SIGKILL there would wait
-    for a thaw that never comes (the crash would never strike)."""
+    python's own children (helpers) are not ranks; a rank on a node of a reserve job (spares
+    that joined the job) is in that job, named for this one. The ranks of a node the soak
+    froze are left out: a job that moved to a spare still lists them, and a SIGKILL there
+    would wait for a thaw that never comes (the crash would never strike)."""
     named: set[str] = set()
     found: set[str] = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or frozen(entry.name):
             continue
         env = _environ(entry.name)
-        if env.get("SLURM_JOB_ID") != job_id:
-            continue
+        reserve = parse_reserve_name(env.get("SLURM_JOB_NAME", ""))
+        if env.get("SLURM_JOB_ID") != job_id and (reserve is None or reserve[1] != job_id):
+            continue  # neither the job nor a reserve job whose nodes run its ranks
         if "SLURM_STEP_ID" not in env or env.get("SLURM_STEP_ID") == "batch":
             continue
         try:

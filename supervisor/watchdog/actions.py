@@ -22,7 +22,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contracts import anomalies, checkpoints
-from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
+from contracts.paths import attempt_log_dir, checkpoint_dir, reserve_log_dir, run_dir
 from contracts.restart import RestartOrder, job_control_dir, write_order
 from contracts.spec import RunSpec
 from supervisor import accounting, store
@@ -40,8 +40,10 @@ from supervisor.db import Database
 from supervisor.launcher import (
     DEFAULT_SIGNAL_LEAD_S,
     NodeSetup,
+    ReserveFor,
     SubmitPlan,
     job_name,
+    reserve_job_name,
     signal_lead,
     submit,
 )
@@ -76,6 +78,9 @@ class ActionKind(enum.StrEnum):
     #: preemption warning (a standby job: its nodes import and wait for the requeue's order),
     #: keyed by the next attempt.
     PREPARE_SUCCESSOR = "prepare_successor"
+    #: A reserve job whose nodes join the running job as its spares once a node fault used
+    #: one up (`supervisor.watchdog.reserves`), keyed by the job and the reserve's number.
+    RESERVE = "reserve"
     CANCEL = "cancel"
     COMPLETE = "complete"
     RESTART = RemedyKind.RESTART.value
@@ -389,6 +394,61 @@ class Actuator:
                 return None
         self._finish(key, True, {"job_id": job_id, **evidence})
         log.info("successor submitted", extra={**_ctx(run_id, number), "job_id": job_id})
+        return job_id
+
+    def submit_reserve(self, ctx: ActContext, seq: int, count: int, reason: str) -> str | None:
+        """Submit reserve job `seq` of `count` nodes for the running job `ctx.job_id`, exactly
+        once (intent first; a submission whose outcome was never recorded is found by its
+        name, on a node of none of the job's): its node tasks become the job's spares
+        (`supervisor.watchdog.reserves`). Returns its job id (None: already submitted, or
+        the submission failed or must be retried)."""
+        assert ctx.job_id is not None
+        evidence = {
+            "job_id": ctx.job_id,
+            "nodes": count,
+            "reason": reason,
+            "attempt_nodes": list(ctx.attempt_nodes),
+            "job_nodes": list(ctx.job_nodes),
+        }
+        target = f"{ctx.job_id}-r{seq}"
+        key = self._begin(ctx.run_id, ctx.attempt, ActionKind.RESERVE, target, evidence)
+        if key is None:
+            return None
+        with self.db.session() as s:
+            run = store.get_run(s, ctx.run_id)
+            fleet = store.fleet_excluded_nodes(s)
+        exclude = sorted({*run.excluded_nodes_json, *fleet, *ctx.job_nodes})
+        log_dir = reserve_log_dir(self.config.home, ctx.run_id)
+        name = reserve_job_name(ctx.run_id, ctx.job_id, seq)
+        try:
+            with self._side_effect():
+                found = self.cluster.find_jobs(name)
+                if found and self.cluster.finish_submission(found[-1], log_dir):
+                    log.warning(f"reserve {found[-1]} was submitted without its task",
+                                extra=_ctx(ctx.run_id, ctx.attempt))  # fmt: skip
+            if found:
+                job_id = found[-1]
+            else:
+                spec = RunSpec.model_validate(run.spec_json)
+                plan, _ = self._plan(run, spec, ctx.attempt, None, exclude)
+                folder = attempt_log_dir(self.config.home, ctx.run_id, ctx.attempt) / ctx.job_id
+                plan = replace(
+                    plan,
+                    log_dir=log_dir,
+                    reserve=ReserveFor(ctx.job_id, seq, count, ctx.attempt_nodes, folder),
+                )
+                with self._side_effect():
+                    job_id = submit(self.cluster, plan).job_id
+        except SourceUnavailable as exc:  # the intent stays: the next tick tries again
+            log.warning(f"reserve not submitted yet: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
+            return None
+        except (Unsupported, OSError) as exc:
+            self._finish(key, False, {"error": str(exc)})
+            log.warning(f"reserve not submitted: {exc}", extra=_ctx(ctx.run_id, ctx.attempt))
+            return None
+        self._finish(key, True, {"job_id": job_id, "nodes": count})
+        log.info(f"reserve of {count} node(s) submitted for job {ctx.job_id}",
+                 extra={**_ctx(ctx.run_id, ctx.attempt), "job_id": job_id})  # fmt: skip
         return job_id
 
     def _successor(self, run_id: str, number: int) -> str | None:

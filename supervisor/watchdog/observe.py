@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session, defer
 
 from contracts import exitcodes
@@ -62,6 +62,7 @@ from supervisor.slurm import Cluster, JobState, JobStatus, SourceUnavailable, ta
 from supervisor.watchdog.actions import ROLLS_BACK, ActionKind
 from supervisor.watchdog.blame import LogCause, log_cause
 from supervisor.watchdog.policy import trusted_checkpoints
+from supervisor.watchdog.reserves import Reserve
 from supervisor.watchdog.snapshot import (
     CheckpointRef,
     FindingKind,
@@ -91,6 +92,8 @@ class World:
     incidents: dict[str, list[Incident]]  # run → its open or remedying incidents
     recorded_step: dict[str, int]  # run → newest checkpoint step already recorded
     startup_seen: dict[str, float]  # run → slowest start → first step of its attempts (s)
+    reserves: dict[str, list[Reserve]]  # run → the reserve jobs of its current job
+    fleet_excluded: frozenset[str]  # nodes an operator took out of the fleet
     statuses: dict[str, JobStatus] = field(default_factory=dict)
     views: dict[tuple[str, int], MetricsView] = field(default_factory=dict)
     slurm_up: bool = True
@@ -147,6 +150,8 @@ class Observer:
                 incidents=_open_incidents(s, ids),
                 recorded_step=_recorded_steps(s, ids),
                 startup_seen=_startup_seen(s, ids),
+                reserves=_reserves(s, watched),
+                fleet_excluded=frozenset(store.fleet_excluded_nodes(s)),
             )
         current = {(r.id, r.current_attempt) for r in watched}
         self._log_causes = {k: v for k, v in self._log_causes.items() if k in current}
@@ -164,6 +169,7 @@ class Observer:
         A source that fails reads as down, never as healthy."""
         watched_ids = {r.id for r in world.watched}
         job_ids = [a.job_id for k, a in world.attempts.items() if a.job_id and k in watched_ids]
+        job_ids += [r.job_id for rs in world.reserves.values() for r in rs if r.job_id]
         try:
             mark = time.perf_counter()
             world.statuses = self.cluster.poll(job_ids)
@@ -505,6 +511,36 @@ def _watched_runs(session: Session) -> list[Run]:
             select(Run).options(defer(Run.spec_json)).where(Run.state.in_(states))
         ).all()
     )
+
+
+def _reserves(session: Session, runs: Sequence[Run]) -> dict[str, list[Reserve]]:
+    """Run → the reserve jobs recorded for its current attempt's job (oldest first)."""
+    if not runs:
+        return {}
+    current = and_(Attempt.run_id == Run.id, Attempt.number == Run.current_attempt)
+    rows = session.execute(
+        select(
+            Action.run_id,
+            Action.target,
+            Action.state,
+            Action.evidence_json,
+            Action.result_json,
+            Attempt.job_id,
+        )
+        .join(Run, Run.id == Action.run_id)
+        .join(Attempt, current)
+        .where(
+            Action.run_id.in_([r.id for r in runs]),
+            Action.kind == ActionKind.RESERVE.value,
+        )
+        .order_by(Action.id)
+    ).all()
+    out: dict[str, list[Reserve]] = {}
+    for row in rows:
+        if row.job_id is not None and row.evidence_json.get("job_id") == row.job_id:
+            reserve = Reserve.from_action(row.target, row.state, row.evidence_json, row.result_json)
+            out.setdefault(row.run_id, []).append(reserve)
+    return out
 
 
 def _current_attempts(session: Session, runs: Sequence[Run]) -> dict[str, Attempt]:

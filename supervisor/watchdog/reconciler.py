@@ -57,6 +57,8 @@ from supervisor.watchdog.ledger import Ledger
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.observe import Observer, World, job_view, ts
 from supervisor.watchdog.progress import changed, observed_progress
+from supervisor.watchdog.reserves import Reserve, running_nodes
+from supervisor.watchdog.reserves import to_submit as reserves_to_submit
 from supervisor.watchdog.snapshot import Finding, Remedy, RemedyKind, Snapshot
 from supervisor.watchdog.telemetry import Telemetry
 
@@ -415,7 +417,8 @@ class Reconciler:
             lost_after_s=self.config.lost_after_s,
             log_cause=self.observer.log_cause(run, attempt, status, view),
         )
-        job_nodes = job.nodes
+        reserves = world.reserves.get(run.id, [])
+        job_nodes = (*job.nodes, *running_nodes(reserves, world.statuses))
         if spec.resources.spare_nodes and job.nodes:
             active = self.observer.active_nodes(run, attempt, spec, job.nodes)
             job = dataclasses.replace(job, nodes=active)
@@ -481,6 +484,8 @@ class Reconciler:
             self._verdict_due = min(due, self._verdict_due or due)
         self._prepare_successor(run, attempt, spec, snap)
         if not findings:
+            if job_running and job.state is AttemptState.RUNNING and spec.resources.spare_nodes:
+                self._refill_spares(run, attempt, job_nodes, job.nodes, reserves, world)
             return Outcome()
         result.findings[run.id] = findings
         # decide
@@ -541,6 +546,34 @@ class Reconciler:
         if reason is not None:
             self.actuator.prepare_successor(run.id, attempt.number + 1, reason=reason)
             self._successors.add(key)
+
+    def _refill_spares(
+        self,
+        run: Run,
+        attempt: Attempt,
+        job_nodes: tuple[str, ...],
+        attempt_nodes: tuple[str, ...],
+        reserves: list[Reserve],
+        world: World,
+    ) -> None:
+        """Submit a reserve job when the running job's idle spares (its own and its running
+        reserves') fell below `resources.spare_nodes` (`supervisor.watchdog.reserves`)."""
+        spec = self.observer.spec(run)
+        excluded = {*run.excluded_nodes_json, *world.fleet_excluded}
+        plan = reserves_to_submit(
+            spec.resources.spare_nodes, job_nodes, attempt_nodes, excluded, reserves,
+            world.statuses,
+        )  # fmt: skip
+        if plan is None:
+            return
+        seq, count = plan
+        ctx = ActContext(
+            run.id, attempt.number, attempt.job_id, True, job_running=True,
+            job_nodes=job_nodes, attempt_nodes=attempt_nodes,
+        )  # fmt: skip
+        idle = len(job_nodes) - len(attempt_nodes)
+        reason = f"{idle} idle node(s) in the job for {spec.resources.spare_nodes} spare(s)"
+        self.actuator.submit_reserve(ctx, seq, count, reason)
 
     def _signal_lead(self, run: Run, job_id: str, spec: RunSpec) -> float:
         """The lead of the job's stop signal: as its submission recorded it (kept per job),

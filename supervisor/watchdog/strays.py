@@ -3,7 +3,8 @@
 Whatever was in flight when a supervisor died (an sbatch whose job id was never recorded, a
 remedy cut between its cancel and its resubmission, a deposed replica's late submit), every
 tick compares the jobs SLURM lists under Nightwatch's names with the runs' state: a run that
-ended has no live job, an attempt that was superseded has none, and an attempt has one job.
+ended has no live job, an attempt that was superseded has none, an attempt has one job, and a
+reserve job (spares for a running job) lives only while the job it reserves for is current.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
 
-from supervisor.launcher import parse_job_name
+from supervisor.launcher import parse_job_name, parse_reserve_name
 from supervisor.models import TERMINAL_RUN_STATES, Action, ActionState, Attempt, Run, RunState
 
 
@@ -42,6 +43,15 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
     attempt is the current attempt's when that attempt was started inside it."""
     out = []
     for job_id, name in sorted(live.items()):
+        reserve = parse_reserve_name(name)
+        if reserve is not None and reserve[0] in runs:
+            run = runs[reserve[0]]
+            if run.state.terminal:
+                out.append(Stray(reserve[0], run.current_attempt, job_id, f"run {run.state.value}"))
+            elif reserve[1] != run.job_id:
+                why = f"reserve for job {reserve[1]}, and the run is not in it"
+                out.append(Stray(reserve[0], run.current_attempt, job_id, why))
+            continue
         parsed = parse_job_name(name)
         if parsed is None or parsed[0] not in runs:
             continue
@@ -63,7 +73,9 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
 
 def load_runs(session: Session, job_names: Iterable[str]) -> dict[str, RunJobs]:
     """The runs named by live jobs, with their current attempt's job id, in one query."""
-    ids = sorted({parsed[0] for name in job_names if (parsed := parse_job_name(name))})
+    ids = sorted(
+        {p[0] for name in job_names if (p := parse_job_name(name) or parse_reserve_name(name))}
+    )
     if not ids:
         return {}
     current = and_(Attempt.run_id == Run.id, Attempt.number == Run.current_attempt)

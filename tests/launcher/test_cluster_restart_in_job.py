@@ -165,6 +165,37 @@ def test_a_spare_takes_a_dead_nodes_place_and_the_job_lives_on(
         assert revived.returncode == 0, revived.stderr
 
 
+def test_a_reserve_jobs_node_joins_the_job_as_a_spare_and_runs_its_ranks(
+    slurm, tmp_path, toy_spec, toy_plan
+):
+    """A reserve job (spares for a running job, `launcher.ReserveFor`) on the third node: its
+    node task reads the main job's orders and, named by one, runs the main job's ranks on its
+    rendezvous port and into its attempt's folder; the main job's node the order left idles
+    as a spare, and both jobs end cleanly with the attempt."""
+    spec = _spec(toy_spec, "injob-reserve")
+    plan = _plan(toy_plan, tmp_path, spec)
+    job = launcher.submit(slurm, plan).job_id
+    first, second = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60).nodes
+    reserve = launcher.ReserveFor(job, 1, 1, (first, second), plan.log_dir / job)
+    reserve_plan = dataclasses.replace(plan, log_dir=tmp_path / "reserves", reserve=reserve)
+    rid = launcher.submit(slurm, reserve_plan).job_id
+    (third,) = wait_for(slurm, rid, lambda s: s.state is JobState.RUNNING, 60).nodes
+    assert slurm.find_jobs(f"nw-{plan.run_id}-j{job}-r1") == [rid]
+    wait_until("step 4 saved", lambda: latest(plan.checkpoint_dir) >= 4, 90)
+    a2 = tmp_path / "logs-a2"
+    order = RestartOrder(attempt=2, log_dir=str(a2), resume_step=4, nodes=(first, third))
+    write_order(job_control_dir(tmp_path / "run", job), order)
+    done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
+    assert done.state is JobState.COMPLETED, done
+    assert wait_for(slurm, rid, lambda s: s.state.terminal, 60).state is JobState.COMPLETED
+    text = "".join(tail(p) for p in (a2 / job).glob(f"{job}_*_log.out"))
+    assert sorted(re.findall(r"rank \d/4 on (\w+) starts at step 4", text)) == sorted(
+        [first, first, third, third]
+    )
+    assert sorted(_exits(a2, job)) == [(r, exitcodes.OK) for r in range(4)]
+    assert latest(plan.checkpoint_dir) == 16
+
+
 def test_a_standby_job_waits_for_its_order_then_runs_the_attempt(
     slurm, tmp_path, toy_spec, toy_plan
 ):

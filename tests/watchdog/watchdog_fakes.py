@@ -74,7 +74,7 @@ class FakeCluster:
         self.next_id += 1
         self.submitted.append((job_id, request))
         self.tasks[job_id] = fn
-        nodes = tuple(n for n in self.nodes_per_job if n not in request.exclude)
+        nodes = tuple(n for n in self.nodes_per_job if n not in request.exclude)[: request.nodes]
         self.states[job_id] = JobStatus(job_id, JobState.PENDING, nodes)
         if self.crash_after_submit:
             self.crash_after_submit = False

@@ -1,0 +1,234 @@
+"""Spares that refill (fake SLURM, real database): once a node fault used a job's spare, the
+watchdog submits a reserve job whose nodes join the job as its spares; the next node fault
+moves there inside the job. Recorded first, submitted once, cancelled once its job is gone.
+The node tasks' side runs on the real cluster in tests/launcher/test_cluster_restart_in_job.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from sqlalchemy import select
+from watchdog_curves import simulate
+from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
+
+from contracts import anomalies
+from contracts.paths import attempt_log_dir, checkpoint_dir, reserve_log_dir, run_dir
+from contracts.restart import job_control_dir, read_order
+from contracts.spec import RunSpec
+from supervisor import store
+from supervisor.db import Database
+from supervisor.launcher import parse_reserve_name
+from supervisor.models import Action, ActionState, Attempt, RunState
+from supervisor.slurm import JobState, JobStatus
+from supervisor.watchdog import actions, reserves
+from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
+from supervisor.watchdog.reserves import Reserve
+from supervisor.watchdog.snapshot import RemedyKind
+from supervisor.watchdog.strays import RunJobs, find_strays
+
+SPEC = copy.deepcopy(TINY_SPEC)
+SPEC["recovery"] = {"restart_in_job": True}
+SPEC["resources"] = {**SPEC["resources"], "spare_nodes": 1}
+#: n1, n2 train, n3 is the job's spare; n4, n5 are free for reserves.
+CLUSTER = ("n1", "n2", "n3", "n4", "n5")
+
+
+def make(db: Database, tmp_path: Path, cluster: FakeCluster, source: FakeSource) -> Reconciler:
+    config = WatchdogConfig(home=tmp_path / "home", lease_ttl_s=60)
+    return Reconciler(db, cluster, source, config, registry=CollectorRegistry())
+
+
+def nan_on(ckpt: Path, attempt: int, node: str, steps: tuple[int, ...]) -> None:
+    """The trainer's records: `node` made NaN gradients (finite losses) at `steps`."""
+    for step in steps:
+        anomalies.append(
+            ckpt,
+            anomalies.Anomaly(
+                attempt, step, anomalies.NONFINITE, (), (node,), consumed=(8 * step - 8, 8 * step),
+                update_skipped=True, t=time.time() - 60 + step,
+            ),
+        )  # fmt: skip
+
+
+def reserve_actions(db: Database, run_id: str) -> list[Action]:
+    with db.session() as s:
+        return list(
+            s.scalars(
+                select(Action)
+                .where(Action.run_id == run_id, Action.kind == actions.ActionKind.RESERVE)
+                .order_by(Action.id)
+            )
+        )
+
+
+def attempts(db: Database, run_id: str) -> list[Attempt]:
+    with db.session() as s:
+        return list(store.get_attempts(s, run_id))
+
+
+class Swapped:
+    """A run whose job (n1, n2 + spare n3) moved n2's ranks to n3 inside the job."""
+
+    def __init__(self, db: Database, tmp_path: Path) -> None:
+        self.db, self.home = db, tmp_path / "home"
+        self.cluster, self.source = FakeCluster(nodes_per_job=CLUSTER), FakeSource()
+        self.rec = make(db, tmp_path, self.cluster, self.source)
+        with db.write_session() as s:
+            self.run_id = store.create_run(s, RunSpec.model_validate(SPEC))[0].id
+        self.rec.tick()
+        self.job = self.cluster.submitted[-1][0]
+        self.cluster.set(self.job, JobState.RUNNING)
+        self.rec.tick()
+        self.ckpt = checkpoint_dir(self.home, self.run_id, RunSpec.model_validate(SPEC))
+        write_checkpoint(self.ckpt, 50, 400)
+        self.source.samples[(self.run_id, 1)] = simulate(1, steps=70, steps_per_sample=2)
+        nan_on(self.ckpt, 1, "n2", (61, 62))
+        assert self.rec.tick().remedies[self.run_id].exclude_nodes == ("n2",)
+        self.source.samples[(self.run_id, 2)] = simulate(2, steps=70, steps_per_sample=2)
+
+    def order(self):
+        return read_order(job_control_dir(run_dir(self.home, self.run_id), self.job))
+
+
+def test_a_used_spare_is_refilled_by_a_reserve_job_recorded_first(
+    db: Database, tmp_path: Path
+) -> None:
+    w = Swapped(db, tmp_path)
+    assert w.order().nodes == ("n1", "n3") and len(w.cluster.submitted) == 1
+    w.rec.tick()  # the job's only spare runs ranks now
+    assert len(w.cluster.submitted) == 2
+    reserve_id, request = w.cluster.submitted[-1]
+    assert request.job_name == f"nw-{w.run_id}-j{w.job}-r1"
+    assert parse_reserve_name(request.job_name) == (w.run_id, w.job)
+    assert request.nodes == 1 and request.no_kill
+    # on no node of the job, nor on the one the run excluded
+    assert {"n1", "n2", "n3"} <= set(request.exclude)
+    assert request.log_dir == reserve_log_dir(w.home, w.run_id)
+    task = w.cluster.tasks[reserve_id]
+    assert task.reserve_for == w.job and task.nodes == ("n1", "n3")  # type: ignore[attr-defined]
+    folder = attempt_log_dir(w.home, w.run_id, 2) / w.job
+    assert task.job_folder == str(folder) and task.attempt == 2  # type: ignore[attr-defined]
+    (action,) = reserve_actions(db, w.run_id)
+    assert action.state is ActionState.DONE and action.attempt == 2
+    assert action.target == f"{w.job}-r1" and action.result_json["job_id"] == reserve_id
+    assert action.evidence_json["job_nodes"] == ["n1", "n2", "n3"]
+    assert action.evidence_json["attempt_nodes"] == ["n1", "n3"]
+    # pending, then not yet listed: a spare to come, never doubled
+    w.rec.tick()
+    w.cluster.states[reserve_id] = JobStatus(reserve_id, JobState.UNKNOWN)
+    w.rec.tick()
+    assert len(w.cluster.submitted) == 2 and len(reserve_actions(db, w.run_id)) == 1
+
+
+def test_the_next_node_fault_moves_to_the_reserve_inside_the_job(
+    db: Database, tmp_path: Path
+) -> None:
+    w = Swapped(db, tmp_path)
+    w.rec.tick()
+    reserve_id = w.cluster.submitted[-1][0]
+    assert w.cluster.states[reserve_id].nodes == ("n4",)
+    w.cluster.set(reserve_id, JobState.RUNNING)
+    w.rec.tick()
+    assert len(w.cluster.submitted) == 2  # the reserve is the job's spare: nothing missing
+    # past the steps n2's attempt reached: n1's own NaN, not the same data again
+    w.source.samples[(w.run_id, 2)] = simulate(2, steps=90, steps_per_sample=2)
+    write_checkpoint(w.ckpt, 80, 640)
+    nan_on(w.ckpt, 2, "n1", (85, 86))
+    remedy = w.rec.tick().remedies[w.run_id]
+    assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == ("n1",)
+    assert w.cluster.cancelled == [] and len(w.cluster.submitted) == 2  # no resubmission
+    order = w.order()
+    assert order is not None and order.attempt == 3 and order.nodes == ("n4", "n3")
+    assert attempts(db, w.run_id)[-1].job_id == w.job
+    assert attempts(db, w.run_id)[-1].nodes_json == ["n4", "n3"]
+    w.source.samples[(w.run_id, 3)] = simulate(3, steps=90, steps_per_sample=2)
+    w.rec.tick()  # spares used again: the next reserve excludes every node seen so far
+    assert len(w.cluster.submitted) == 3
+    _, request = w.cluster.submitted[-1]
+    assert request.job_name == f"nw-{w.run_id}-j{w.job}-r2"
+    assert {"n1", "n2", "n3", "n4"} <= set(request.exclude)
+
+
+def test_reserves_of_a_job_the_run_left_are_cancelled(db: Database, tmp_path: Path) -> None:
+    w = Swapped(db, tmp_path)
+    w.rec.tick()
+    reserve_id = w.cluster.submitted[-1][0]
+    w.cluster.set(reserve_id, JobState.RUNNING)
+    w.cluster.set(w.job, JobState.FAILED, exit_code=1)
+    w.cluster.nodes_per_job = ("n5",)  # the resubmission gets a node nobody used
+    w.rec.tick()
+    assert reserve_id in w.cluster.cancelled
+    (cancel,) = [
+        a for a in _all_actions(db, w.run_id) if a.kind == "cancel" and a.target == reserve_id
+    ]
+    assert "reserve for job" in cancel.evidence_json["reason"]
+
+
+def _all_actions(db: Database, run_id: str) -> list[Action]:
+    with db.session() as s:
+        return list(s.scalars(select(Action).where(Action.run_id == run_id)))
+
+
+def test_find_strays_judges_reserves_by_the_job_they_reserve_for() -> None:
+    runs = {
+        "r1": RunJobs(RunState.RUNNING, 2, "100"),
+        "r2": RunJobs(RunState.SUCCEEDED, 1, "200"),
+    }
+    live = {
+        "101": "nw-r1-j100-r1",  # the current job's: kept
+        "102": "nw-r1-j99-r1",  # an earlier job's
+        "201": "nw-r2-j200-r1",  # the run ended
+        "301": "nw-r3-j300-r1",  # not this database's run
+    }
+    strays = {s.job_id: s.reason for s in find_strays(live, runs)}
+    assert set(strays) == {"102", "201"}
+    assert strays["201"] == "run succeeded"
+
+
+@pytest.mark.parametrize("cut", ["before_submit", "after_submit"])
+def test_a_reserve_cut_short_by_a_crash_is_submitted_exactly_once(
+    db: Database, tmp_path: Path, cut: str
+) -> None:
+    w = Swapped(db, tmp_path)
+    w.cluster.crash_before_submit = cut == "before_submit"
+    w.cluster.crash_after_submit = cut == "after_submit"
+    with pytest.raises(Crash):
+        w.rec.tick()
+    (intent,) = reserve_actions(db, w.run_id)
+    assert intent.state is ActionState.INTENT  # recorded before SLURM was asked
+    w.rec.tick()  # the next ticks resume it from the database and SLURM alone
+    w.rec.tick()
+    names = [r.job_name for _, r in w.cluster.submitted[1:]]
+    assert names == [f"nw-{w.run_id}-j{w.job}-r1"]
+    (done,) = reserve_actions(db, w.run_id)
+    assert done.state is ActionState.DONE
+    assert done.result_json["job_id"] == w.cluster.submitted[-1][0]
+
+
+def _status(job_id: str, state: JobState, *nodes: str) -> JobStatus:
+    return JobStatus(job_id, state, tuple(nodes))
+
+
+def test_to_submit_counts_idle_spares_and_reserves_to_come() -> None:
+    job, active = ("n1", "n2", "n3"), ("n1", "n3")
+    done = Reserve(1, 1, ActionState.DONE, "7")
+    assert reserves.to_submit(1, job, active, {"n2"}, [], {}) == (1, 1)
+    assert reserves.to_submit(2, job, active, set(), [], {}) == (1, 1)  # n2 is idle, not bad
+    assert reserves.to_submit(1, job, active, {"n2"}, [done], {}) is None  # not listed yet
+    pending = {"7": _status("7", JobState.PENDING)}
+    assert reserves.to_submit(1, job, active, {"n2"}, [done], pending) is None
+    ended = {"7": _status("7", JobState.FAILED, "n9")}
+    assert reserves.to_submit(1, job, active, {"n2"}, [done], ended) == (2, 1)
+    running = {"7": _status("7", JobState.RUNNING, "n9")}
+    assert reserves.running_nodes([done], running) == ("n9",)
+    with_reserve = (*job, *reserves.running_nodes([done], running))
+    assert reserves.to_submit(1, with_reserve, active, {"n2"}, [done], running) is None
+    intent = Reserve(2, 3, ActionState.INTENT)
+    assert reserves.to_submit(1, job, active, {"n2"}, [done, intent], ended) == (2, 3)
+    many = [Reserve(i, 1, ActionState.FAILED) for i in range(1, reserves.MAX_RESERVES_PER_JOB + 1)]
+    assert reserves.to_submit(1, job, active, {"n2"}, many, {}) is None
