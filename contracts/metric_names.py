@@ -26,6 +26,11 @@ NODE_METRICS = {
         "evaluations and stalls between them included; the start-up before its first step not)",
     ),
     "up": ("gauge", "1 while the training loop runs"),
+    "save_started_timestamp_seconds": (
+        "gauge",
+        "unix time the save the training loop waits on began (0: it waits on none): between "
+        "two steps, a loop in a save is busy, not hung",
+    ),
     "nonfinite_grads": ("counter", "steps whose local gradients were NaN/Inf before reduction"),
 }
 RUN_METRICS = {

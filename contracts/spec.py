@@ -342,6 +342,15 @@ class RecoverySpec(_Strict):
         "nightwatch_train_step_gap_max_seconds): a pause the run has already come through "
         "is not a hang, as nvidia-resiliency-ext sizes its heartbeat timeouts.",
     )
+    save_hang_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="While the training loop waits on a save (the trainer exports when it "
+        "began: nightwatch_train_save_started_timestamp_seconds), no step is a hang only "
+        "after this long (or the step's hang limit, if longer): a run's first synchronous "
+        "save has no gap to learn from and may take minutes. A node that goes dark or "
+        "whose processes exit meanwhile is still judged at the step's limit.",
+    )
     checkpoint_stall_factor: float = Field(default=3.0, gt=1, description="× interval.")
     rollback_skip_steps: NonNegativeInt = Field(
         default=0,

@@ -141,6 +141,11 @@ class TrainMetrics:
         self._m["eval_loss"].set(loss)
         self._m["eval_step"].set(step)
 
+    def on_save_wait(self, waiting: bool) -> None:
+        """The loop began (or ended) waiting on a save: a synchronous one, or the wait for an
+        asynchronous one in flight."""
+        self._m["save_started_timestamp_seconds"].set(time.time() if waiting else 0)
+
     def on_checkpoint(self, step: int, duration: float, ok: bool) -> None:
         if not self.run_level:
             return

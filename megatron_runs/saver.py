@@ -21,8 +21,9 @@ crash, which the watchdog restarts. A save in flight when that happens is never 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -83,7 +84,21 @@ class Checkpointer:
     ) -> None:
         """Save at `step` (collective); with async saves, start it and return. `step_seconds`:
         the wall time of the step before it, recorded with the save's own timing."""
-        self.finish()
+        with self._waiting():
+            self._save(model, optimizer, step, cursor, loss, loss_trend, step_seconds, last_eval)
+
+    def _save(
+        self,
+        model: list,
+        optimizer: object,
+        step: int,
+        cursor: int,
+        loss: float,
+        loss_trend: tuple[float, ...],
+        step_seconds: float,
+        last_eval: tuple[int, float] | None,
+    ) -> None:
+        self._finish()
         self.step_seconds = step_seconds
         target = dist_ckpt.Target(
             self.root, step, cursor, loss, self.layout, self.spec.keep_last, self.protect,
@@ -113,6 +128,22 @@ class Checkpointer:
 
     def finish(self) -> None:
         """Wait for the save in flight and publish it (collective)."""
+        with self._waiting():
+            self._finish()
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Export that the loop waits on a save while it does (`save_started_timestamp_
+        seconds`): the watchdog judges a stall in a save by the save's limit, not a step's."""
+        if self.metrics is not None:
+            self.metrics.on_save_wait(True)
+        try:
+            yield
+        finally:
+            if self.metrics is not None:
+                self.metrics.on_save_wait(False)
+
+    def _finish(self) -> None:
         if self.pending is not None:
             self._settle(self.pending.wait)
         if self.tier is not None:

@@ -63,6 +63,7 @@ QUERIED_FIELDS = (
     "step",
     "last_step_ts",
     "step_gap_max",
+    "save_started_ts",
     "loss",
     "loss_window_max",
     "loss_window_min",

@@ -23,6 +23,7 @@ RUN_FIELDS: dict[str, str] = {
     "step": exposed("step"),
     "last_step_ts": exposed("last_step_timestamp_seconds"),
     "step_gap_max": exposed("step_gap_max_seconds"),
+    "save_started_ts": exposed("save_started_timestamp_seconds"),
     "steps_total": exposed("steps"),
     "target_steps": exposed("target_steps"),
     "loss": exposed("loss"),

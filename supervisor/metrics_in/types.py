@@ -50,6 +50,8 @@ class MetricSample:
     last_step_ts: float | None = None
     #: The longest gap between two consecutive steps the primary's process has shown.
     step_gap_max: float | None = None
+    #: When the save the primary's loop waits on began (0: none).
+    save_started_ts: float | None = None
     target_steps: int | None = None
     checkpoint_step: int | None = None
     checkpoint_ts: float | None = None

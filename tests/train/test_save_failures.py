@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,22 @@ class _Events:
         self.seen.append((event, fields))
 
 
+#: The gauge that says the loop waits on a save (`contracts.metric_names`).
+SAVING = "nightwatch_train_save_started_timestamp_seconds"
+
+
 def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
     """One rank of a 2-rank gloo job that saves at step 10 (megatron's writer stubbed). It
-    imports the training loop here, in the spawned process: megatron stays out of pytest's."""
+    imports the training loop here, in the spawned process: megatron stays out of pytest's.
+    It also answers what its metrics said of the save while the writer ran and after."""
     from megatron_runs import setup  # first: its CPU stand-ins must precede megatron's import
 
     torch = setup.torch
     from megatron_runs import dist_ckpt, saver
+    from megatron_runs.metrics import TrainMetrics
+
+    metrics = TrainMetrics("r1", 1, f"n{rank}", run_level=rank == 0)
+    labels = {"run_id": "r1", "attempt": "1", "node": f"n{rank}"}
 
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2
@@ -44,18 +54,20 @@ def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
     def write(state: dict, path: str, *args: Any, **kwargs: Any) -> None:
         if dies and rank == 1:
             os._exit(9)  # killed between the save's collectives
+        answers.put((rank, "saving since", metrics.registry.get_sample_value(SAVING, labels)))
         torch.distributed.barrier()
 
     dist_ckpt.dist_checkpointing.save = write
     dist_ckpt._state_dict = lambda *args, **kwargs: {}
     log = _Events()
     try:
-        checkpoints = saver.Checkpointer(SPEC.checkpoint, Path(root), {}, None, None, None, log)
+        checkpoints = saver.Checkpointer(SPEC.checkpoint, Path(root), {}, None, metrics, None, log)
         checkpoints.save([], None, 10, 80, 5.0)
     except RuntimeError as exc:
         answers.put((rank, "raised", str(exc)[:200]))
         return
     answers.put((rank, "returned", [event for event, _ in log.seen]))
+    answers.put((rank, "saved since", metrics.registry.get_sample_value(SAVING, labels)))
     torch.distributed.barrier()  # the group still works: both ranks went on in step
     answers.put((rank, "in step", None))
 
@@ -82,19 +94,27 @@ def _run_ranks(tmp_path: Path, dies: bool) -> list[tuple[int, str, Any]]:
 
 
 def test_a_peer_dying_mid_save_ends_the_survivor(tmp_path: Path) -> None:
-    seen = _run_ranks(tmp_path, dies=True)
+    seen = [a for a in _run_ranks(tmp_path, dies=True) if a[1] != "saving since"]
     assert [(rank, what) for rank, what, _ in seen] == [(0, "raised")]
     assert "closed" in seen[0][2].lower() or "reset" in seen[0][2].lower()
 
 
 def test_an_unpublishable_save_is_reported_on_every_rank_and_both_go_on(tmp_path: Path) -> None:
     # The stub writes nothing: rank 0 refuses to publish an empty checkpoint (verify fails).
+    began = time.time()
     seen = _run_ranks(tmp_path, dies=False)
     assert [(rank, what) for rank, what, _ in seen] == [
         (0, "in step"),
         (0, "returned"),
+        (0, "saved since"),
+        (0, "saving since"),
         (1, "in step"),
         (1, "returned"),
+        (1, "saved since"),
+        (1, "saving since"),
     ]
+    # every node's loop said it waited on a save while the writer ran, and no more after
+    assert all(began <= v <= time.time() for _, what, v in seen if what == "saving since")
+    assert all(v == 0 for _, what, v in seen if what == "saved since")
     assert all(events == ["checkpoint_failed"] for _, what, events in seen if what == "returned")
     assert not (tmp_path / "ckpt" / "latest").exists()

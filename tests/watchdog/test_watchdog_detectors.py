@@ -219,6 +219,28 @@ def test_hang_uses_median_step_time_with_a_floor(rc: RecoverySpec) -> None:
     assert detect_hang(snapshot(upto(fast, hung_at + 61)), rc) != []
 
 
+def test_a_loop_in_a_save_is_judged_by_the_saves_limit(rc: RecoverySpec) -> None:
+    """A fast run's first synchronous save outlasts the 60 s floor: busy, not hung, until
+    `save_hang_seconds`; a node gone dark meanwhile is judged at the step's limit."""
+    fast = simulate(7, steps=1000, faults=Faults(hang_at=90), step_seconds=0.1)
+    hung_at = fast[-1].last_step_ts
+    assert hung_at is not None
+
+    def in_save(t: float, began: float) -> list[MetricSample]:
+        return [dataclasses.replace(s, save_started_ts=began) for s in upto(fast, t)]
+
+    began = hung_at + 0.01
+    assert detect_hang(snapshot(in_save(hung_at + 61, began)), rc) == []
+    assert detect_hang(snapshot(in_save(hung_at + rc.save_hang_seconds - 1, began)), rc) == []
+    (f,) = detect_hang(snapshot(in_save(hung_at + rc.save_hang_seconds + 1, began)), rc)
+    assert f.evidence["saving"] and f.evidence["limit_seconds"] == rc.save_hang_seconds
+    # a save that began before the last step is not the one the loop is in now
+    assert detect_hang(snapshot(in_save(hung_at + 61, hung_at - 5)), rc) != []
+    snap = snapshot(in_save(hung_at + 61, began), dark_nodes=("n2",), peers_steady_s=61)
+    (f,) = detect_hang(snap, rc)
+    assert f.nodes == ("n2",) and not f.evidence["saving"]
+
+
 def _periodic(hang_step: int, until: float) -> list[MetricSample]:
     """Scrapes exactly 0.25 s apart (Prometheus scrapes a target at a fixed phase) of a run
     stepping every 0.125 s from t=1000 until it hangs after `hang_step`: every time is exact

@@ -191,6 +191,9 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     does a node gone dark while its peers stood still (`silent_hung_nodes`): the hang is then
     that node's. Without one, the policy intersects the hung attempts' nodes.
 
+    A loop waiting on a save that began after its last step (`saving`) is busy, not hung:
+    its limit is at least `save_hang_seconds` then, unless a node went silent meanwhile.
+
     A node whose processes exited (its host refused the scrape) is no one's fault: its rank
     crashed and took the node's exporter along, while the peers wait in a collective that
     will never end. That hang names nobody, and the cure is a restart.
@@ -218,6 +221,8 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     dark = silent_hung_nodes(snap, snap.metrics.dark_nodes, limit)
     exited = silent_hung_nodes(snap, snap.metrics.exited_nodes, limit)
     silent = dark or exited
+    if not silent and saving(latest):
+        limit = max(limit, rc.save_hang_seconds)
     idle = (snap.now if silent else latest.t) - latest.last_step_ts
     if idle <= limit or not (metrics_ok(snap) or silent):
         return []
@@ -236,6 +241,7 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
                 "limit_seconds": limit,
                 "median_step_time": typical,
                 "longest_gap_seen": gap,
+                "saving": saving(latest),
             },
             dark=dark,
             exited=exited,
@@ -243,6 +249,12 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             last_healthy_step=latest.step,
         )
     ]
+
+
+def saving(sample: MetricSample) -> bool:
+    """The loop waits on a save that began after its last step (`save_hang_seconds`)."""
+    began, last = sample.save_started_ts, sample.last_step_ts
+    return bool(began and last and began >= last)
 
 
 #: A frozen host shows only once a scrape of it times out: up to a scrape interval before
