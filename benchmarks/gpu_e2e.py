@@ -226,7 +226,7 @@ def gpu_spec(
         },
         "data": data,
         "checkpoint": {"interval_steps": 10, "keep_last": 3},
-        "recovery": {"hang_floor_seconds": 30.0},
+        "recovery": {"hang_floor_seconds": args.hang_floor},
     }  # fmt: skip
     for section, values in extra.items():
         spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
@@ -256,6 +256,17 @@ FAULTS: dict[str, dict[str, Any]] = {
     # checkpoint kept, every 20 steps: a 1.3B model's is 17 GB, the lent 1-GPU host's disk 64.
     "preempt": {"checkpoint": {"interval_steps": 20, "keep_last": 1}},
 }  # fmt: skip
+
+
+def keep_training_logs(home: Path, out: Path, limit: int = 1_000_000) -> None:
+    """Copy every attempt's task logs (their last `limit` bytes) into `out`, named by run
+    and attempt: what the ranks said is the only record of a timeline the watchdog misjudged."""
+    runs = home / "runs"
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(runs.glob("*/logs/**/*_log.out")):
+        # one flat folder: `run_a<attempt>_<job>_<task>_log.out`
+        target = out / "_".join(path.relative_to(runs).parts).replace("_logs_", "_")
+        target.write_bytes(path.read_bytes()[-limit:])
 
 
 def training_log(home: Path, run_id: str) -> list[dict[str, Any]]:
@@ -322,11 +333,16 @@ def incidents(stack: Stack, run_id: str) -> list[dict[str, Any]]:
     con = sqlite3.connect(stack.home / "nightwatch.db")
     con.row_factory = sqlite3.Row
     rows = con.execute(
-        "SELECT kind, remedy, fault_ts, detected_ts, recovered_ts, steps_lost, state "
-        "FROM incidents WHERE run_id = ? ORDER BY id", (run_id,),
+        "SELECT kind, remedy, fault_ts, detected_ts, recovered_ts, steps_lost, state, "
+        "evidence_json FROM incidents WHERE run_id = ? ORDER BY id", (run_id,),
     ).fetchall()  # fmt: skip
     con.close()
-    return [dict(r) for r in rows]
+    out = []
+    for row in rows:
+        fields = dict(row)
+        fields["evidence"] = json.loads(fields.pop("evidence_json") or "{}")
+        out.append(fields)
+    return out
 
 
 def _epoch(iso: str) -> float:
@@ -436,6 +452,10 @@ def main() -> None:
     parser.add_argument("--memory-mb", type=int, default=100_000)
     parser.add_argument("--base-port", type=int, default=23000)
     parser.add_argument("--run-timeout", type=float, default=240)
+    parser.add_argument(
+        "--hang-floor", type=float, default=30.0,
+        help="recovery.hang_floor_seconds: below a save's length, a save judged as a hang shows",
+    )  # fmt: skip
     args = parser.parse_args()
     import torch
 
@@ -473,6 +493,7 @@ def main() -> None:
                 (args.out / "result.json").write_text(json.dumps(results, indent=2))
         (args.out / "result.json").write_text(json.dumps(results, indent=2))
         (args.out / "serve.log").write_bytes((s.home / "serve.log").read_bytes()[-4_000_000:])
+        keep_training_logs(s.home, args.out / "logs")
     print(f"{'run':18s} {'state':16s} {'steps':>5s} {'attempts':>8s}  incidents")
     for r in results["runs"]:
         incs = ", ".join(f"{i['kind']}→{i['remedy']} det {i['detection_s']}s mttr {i['mttr_s']}s"

@@ -73,6 +73,7 @@ QUERIED_FIELDS = (
     "tokens_per_second",
     "samples_consumed",
     "checkpoint_step",
+    "checkpoint_ts",
     "checkpoint_failures_total",
     "replica_mismatches_total",
     "eval_loss",

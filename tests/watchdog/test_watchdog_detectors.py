@@ -227,7 +227,9 @@ def test_a_loop_in_a_save_is_judged_by_the_saves_limit(rc: RecoverySpec) -> None
     assert hung_at is not None
 
     def in_save(t: float, began: float) -> list[MetricSample]:
-        return [dataclasses.replace(s, save_started_ts=began) for s in upto(fast, t)]
+        """The samples up to the hang, then one at `t` in the save that began at `began`."""
+        before = upto(fast, hung_at + 1)
+        return [*before, dataclasses.replace(before[-1], t=t, save_started_ts=began)]
 
     began = hung_at + 0.01
     assert detect_hang(snapshot(in_save(hung_at + 61, began)), rc) == []
@@ -238,7 +240,27 @@ def test_a_loop_in_a_save_is_judged_by_the_saves_limit(rc: RecoverySpec) -> None
     assert detect_hang(snapshot(in_save(hung_at + 61, hung_at - 5)), rc) != []
     snap = snapshot(in_save(hung_at + 61, began), dark_nodes=("n2",), peers_steady_s=61)
     (f,) = detect_hang(snap, rc)
-    assert f.nodes == ("n2",) and not f.evidence["saving"]
+    assert f.nodes == ("n2",) and f.evidence["limit_seconds"] < rc.save_hang_seconds
+
+
+def test_a_save_published_after_the_last_step_is_progress(rc: RecoverySpec) -> None:
+    """An exporter starved through a 35 s save (a fresh machine's first, on GPU): the first
+    sample after it shows the old step and the new checkpoint. The stall counts from the
+    publish, and a hang after it is dated there."""
+    fast = simulate(7, steps=1000, faults=Faults(hang_at=90), step_seconds=0.1)
+    hung_at = fast[-1].last_step_ts
+    assert hung_at is not None
+    before = upto(fast, hung_at + 1)
+    published = hung_at + 34.7
+
+    def after(t: float) -> list[MetricSample]:
+        late = dataclasses.replace(before[-1], t=t, checkpoint_ts=published, checkpoint_step=90)
+        return [*before, late]
+
+    assert detect_hang(snapshot(after(hung_at + 35)), rc) == []
+    assert detect_hang(snapshot(after(published + rc.hang_floor_seconds - 1)), rc) == []
+    (f,) = detect_hang(snapshot(after(published + rc.hang_floor_seconds + 1)), rc)
+    assert f.fault_time == published and f.last_healthy_step == 90
 
 
 def _periodic(hang_step: int, until: float) -> list[MetricSample]:

@@ -192,7 +192,8 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     that node's. Without one, the policy intersects the hung attempts' nodes.
 
     A loop waiting on a save that began after its last step (`saving`) is busy, not hung:
-    its limit is at least `save_hang_seconds` then, unless a node went silent meanwhile.
+    its limit is at least `save_hang_seconds` then, unless a node went silent meanwhile; a
+    save it published since its last step is progress (`last_progress`).
 
     A node whose processes exited (its host refused the scrape) is no one's fault: its rank
     crashed and took the node's exporter along, while the peers wait in a collective that
@@ -223,7 +224,7 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
     silent = dark or exited
     if not silent and saving(latest):
         limit = max(limit, rc.save_hang_seconds)
-    idle = (snap.now if silent else latest.t) - latest.last_step_ts
+    idle = (snap.now if silent else latest.t) - last_progress(latest)
     if idle <= limit or not (metrics_ok(snap) or silent):
         return []
     unseen = unseen_host_s(snap.metrics.samples)
@@ -245,10 +246,18 @@ def detect_hang(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
             },
             dark=dark,
             exited=exited,
-            fault_time=latest.last_step_ts,
+            fault_time=last_progress(latest),
             last_healthy_step=latest.step,
         )
     ]
+
+
+def last_progress(sample: MetricSample) -> float:
+    """When the loop last showed progress: its last step, or a checkpoint it published since
+    (a synchronous save is the loop's work between two steps; an exporter starved during
+    it shows the end of the save and the old step in the same sample)."""
+    step = sample.last_step_ts or 0.0
+    return max(step, sample.checkpoint_ts or 0.0)
 
 
 def saving(sample: MetricSample) -> bool:
@@ -303,9 +312,9 @@ def hang_probe_at(snap: Snapshot, rc: RecoverySpec) -> tuple[float, float] | Non
     samples = snap.metrics.samples
     if not job_running(snap) or not samples:
         return None
-    last = samples[-1].last_step_ts
-    if last is None or last <= 0:
+    if not samples[-1].last_step_ts or samples[-1].last_step_ts <= 0:
         return None
+    last = last_progress(samples[-1])
     return last + hang_limit(median_step_time(samples), rc, longest_gap(snap.metrics)), last
 
 
