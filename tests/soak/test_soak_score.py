@@ -26,6 +26,7 @@ from benchmarks.soak.score import (
     score_system,
     steps_lost,
 )
+from benchmarks.soak_stretches import stretches
 
 
 def run(segments: list[tuple[float, int, int, str]], loss=lambda s: 10.0 / (1 + s)) -> Progress:
@@ -476,3 +477,14 @@ def test_an_unseen_poison_says_which_steps_of_the_final_model_trained_it() -> No
         "armed in spec; no remedy; the final model trained its samples at steps [29, 30, 31] "
         "(update skipped at [30])"
     )
+
+
+def test_stretches_name_the_seconds_each_faults_recovery_cost() -> None:
+    """Steps 0.25 s apart, with a 5 s stop after step 40 (a recovery): the stretch after the
+    fault at 40 holds those 5 s beyond its pace; the others none."""
+    progress = Progress()
+    t = 100.0
+    for step in range(1, 101):
+        t += 0.25 + (5.0 if step == 41 else 0.0)
+        progress.steps.append(StepEvent(t, step, 3.0, "1/1"))
+    assert stretches(progress, [40, 100, 120]) == [0.0, 5.0, None]

@@ -1,0 +1,69 @@
+"""Where a chaos soak's time went, fault by fault: each stretch between two faults' steps,
+for Nightwatch and for its fault-free reference, as its time beyond its steps at its own pace
+(`benchmarks.soak.score.pace_s`, the median 10-step window inside the stretch), the reading
+`ettr_vs_reference_local` sums. A stretch is named after the fault at its start, whose
+recovery it holds.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/soak_stretches.py /tmp/soaks/x/<run folder>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from benchmarks.soak.progress import Progress, parse_lines
+from benchmarks.soak.score import pace_s
+
+#: Steps a pace window spans (the soak's `pace_window`).
+WINDOW = 10
+
+
+def read_progress(paths: Iterable[Path]) -> Progress:
+    lines: list[str] = []
+    for path in sorted(paths):
+        lines += path.read_text(errors="replace").splitlines()
+    return parse_lines(lines)
+
+
+def stretches(progress: Progress, bounds: Sequence[int]) -> list[float | None]:
+    """Each stretch's seconds beyond its steps at its own pace, from the first step on (the
+    first stretch leaves out the start-up); None past the run's last step."""
+    whole = pace_s(progress, WINDOW)
+    out: list[float | None] = []
+    if whole is None or not progress.steps:
+        return [None] * len(bounds)
+    step, t = progress.steps[0].step, progress.steps[0].t
+    for bound in bounds:
+        reached = progress.first_reaching(bound)
+        if reached is None:
+            out.append(None)
+            continue
+        stretch = Progress(steps=[e for e in progress.steps if step < e.step <= bound])
+        out.append(reached.t - t - (bound - step) * (pace_s(stretch, WINDOW) or whole))
+        step, t = bound, reached.t
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path, help="a soak's run folder (holds result.json)")
+    args = parser.parse_args()
+    result = json.loads((args.run / "result.json").read_text())
+    faults = sorted(result["scores"][0]["faults"], key=lambda f: f["at_step"])
+    bounds = [f["at_step"] for f in faults] + [result["scores"][0]["target_steps"]]
+    names = ["(start)"] + [f["kind"] for f in faults]
+    nightwatch = read_progress(args.run.glob("home/runs/*/logs/a*/*/*_0_log.out"))
+    reference = read_progress((args.run / "reference").rglob("*_log.out"))
+    print(f"{'stretch after':20s} {'to step':>7s} {'nightwatch s':>12s} {'reference s':>11s}")
+    nw_s, ref_s = stretches(nightwatch, bounds), stretches(reference, bounds)
+    rows = zip(names, bounds, nw_s, ref_s, strict=True)
+    for name, bound, nw, ref in rows:
+        shown = [f"{v:.1f}" if v is not None else "-" for v in (nw, ref)]
+        print(f"{name:20s} {bound:7d} {shown[0]:>12s} {shown[1]:>11s}")
+
+
+if __name__ == "__main__":
+    main()
