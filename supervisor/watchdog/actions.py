@@ -62,6 +62,7 @@ from supervisor.models import (
 from supervisor.slurm import Cluster, SourceUnavailable, Unsupported
 from supervisor.watchdog.lease import LeaseGuard
 from supervisor.watchdog.notify import Notifier
+from supervisor.watchdog.reserves import Reserve
 from supervisor.watchdog.snapshot import Remedy, RemedyKind
 
 log = logging.getLogger("nightwatch.watchdog.actions")
@@ -396,13 +397,16 @@ class Actuator:
         log.info("successor submitted", extra={**_ctx(run_id, number), "job_id": job_id})
         return job_id
 
-    def submit_reserve(self, ctx: ActContext, seq: int, count: int, reason: str) -> str | None:
-        """Submit reserve job `seq` of `count` nodes for the running job `ctx.job_id`, exactly
-        once (intent first; a submission whose outcome was never recorded is found by its
-        name, on a node of none of the job's): its node tasks become the job's spares
-        (`supervisor.watchdog.reserves`). Returns its job id (None: already submitted, or
-        the submission failed or must be retried)."""
+    def submit_reserve(self, ctx: ActContext, reserve: Reserve, reason: str) -> str | None:
+        """Submit `reserve` (its seq, node count, and the attempt an unfinished intent was
+        keyed by) for the running job `ctx.job_id`, exactly once (intent first; a submission
+        whose outcome was never recorded is found by its name), on none of the job's nodes:
+        its node tasks become spares of the job's current attempt
+        (`supervisor.watchdog.reserves`). Returns its job id (None: already submitted, or the
+        submission failed or must be retried)."""
         assert ctx.job_id is not None
+        seq, count = reserve.seq, reserve.count
+        keyed = reserve.attempt if reserve.attempt is not None else ctx.attempt
         evidence = {
             "job_id": ctx.job_id,
             "nodes": count,
@@ -411,14 +415,15 @@ class Actuator:
             "job_nodes": list(ctx.job_nodes),
         }
         target = f"{ctx.job_id}-r{seq}"
-        key = self._begin(ctx.run_id, ctx.attempt, ActionKind.RESERVE, target, evidence)
+        key = self._begin(ctx.run_id, keyed, ActionKind.RESERVE, target, evidence)
         if key is None:
             return None
         with self.db.session() as s:
             run = store.get_run(s, ctx.run_id)
             fleet = store.fleet_excluded_nodes(s)
         exclude = sorted({*run.excluded_nodes_json, *fleet, *ctx.job_nodes})
-        log_dir = reserve_log_dir(self.config.home, ctx.run_id)
+        # a folder of its own: an orphan pickle there is this submission's (finish_submission)
+        log_dir = reserve_log_dir(self.config.home, ctx.run_id) / target
         name = reserve_job_name(ctx.run_id, ctx.job_id, seq)
         try:
             with self._side_effect():

@@ -523,6 +523,7 @@ def _reserves(session: Session, runs: Sequence[Run]) -> dict[str, list[Reserve]]
             Action.run_id,
             Action.target,
             Action.state,
+            Action.attempt,
             Action.evidence_json,
             Action.result_json,
             Attempt.job_id,
@@ -538,7 +539,9 @@ def _reserves(session: Session, runs: Sequence[Run]) -> dict[str, list[Reserve]]
     out: dict[str, list[Reserve]] = {}
     for row in rows:
         if row.job_id is not None and row.evidence_json.get("job_id") == row.job_id:
-            reserve = Reserve.from_action(row.target, row.state, row.evidence_json, row.result_json)
+            reserve = Reserve.from_action(
+                row.target, row.state, row.attempt, row.evidence_json, row.result_json
+            )
             out.setdefault(row.run_id, []).append(reserve)
     return out
 

@@ -57,7 +57,7 @@ from supervisor.watchdog.ledger import Ledger
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.observe import Observer, World, job_view, ts
 from supervisor.watchdog.progress import changed, observed_progress
-from supervisor.watchdog.reserves import Reserve, running_nodes
+from supervisor.watchdog.reserves import Reserve, idle_spares, running_nodes
 from supervisor.watchdog.reserves import to_submit as reserves_to_submit
 from supervisor.watchdog.snapshot import Finding, Remedy, RemedyKind, Snapshot
 from supervisor.watchdog.telemetry import Telemetry
@@ -485,7 +485,7 @@ class Reconciler:
         self._prepare_successor(run, attempt, spec, snap)
         if not findings:
             if job_running and job.state is AttemptState.RUNNING and spec.resources.spare_nodes:
-                self._refill_spares(run, attempt, job_nodes, job.nodes, reserves, world)
+                self._refill_spares(run, attempt, spec, job_nodes, job.nodes, reserves, world)
             return Outcome()
         result.findings[run.id] = findings
         # decide
@@ -551,6 +551,7 @@ class Reconciler:
         self,
         run: Run,
         attempt: Attempt,
+        spec: RunSpec,
         job_nodes: tuple[str, ...],
         attempt_nodes: tuple[str, ...],
         reserves: list[Reserve],
@@ -558,22 +559,20 @@ class Reconciler:
     ) -> None:
         """Submit a reserve job when the running job's idle spares (its own and its running
         reserves') fell below `resources.spare_nodes` (`supervisor.watchdog.reserves`)."""
-        spec = self.observer.spec(run)
+        spares = spec.resources.spare_nodes
         excluded = {*run.excluded_nodes_json, *world.fleet_excluded}
-        plan = reserves_to_submit(
-            spec.resources.spare_nodes, job_nodes, attempt_nodes, excluded, reserves,
-            world.statuses,
-        )  # fmt: skip
-        if plan is None:
+        reserve = reserves_to_submit(
+            spares, job_nodes, attempt_nodes, excluded, reserves, world.statuses
+        )
+        if reserve is None:
             return
-        seq, count = plan
         ctx = ActContext(
             run.id, attempt.number, attempt.job_id, True, job_running=True,
             job_nodes=job_nodes, attempt_nodes=attempt_nodes,
         )  # fmt: skip
-        idle = len(job_nodes) - len(attempt_nodes)
-        reason = f"{idle} idle node(s) in the job for {spec.resources.spare_nodes} spare(s)"
-        self.actuator.submit_reserve(ctx, seq, count, reason)
+        idle = idle_spares(job_nodes, attempt_nodes, excluded)
+        reason = f"{len(idle)} idle spare(s) in the job for {spares}: {', '.join(idle) or '-'}"
+        self.actuator.submit_reserve(ctx, reserve, reason)
 
     def _signal_lead(self, run: Run, job_id: str, spec: RunSpec) -> float:
         """The lead of the job's stop signal: as its submission recorded it (kept per job),

@@ -30,14 +30,23 @@ class Reserve:
     state: ActionState
     #: Its SLURM job (None: not submitted, or its submission's outcome not recorded yet).
     job_id: str | None = None
+    #: The attempt its action is keyed by (None: not recorded yet; it will be the current one).
+    #: A job outlives its attempts (restarts inside it), and so do its reserves' intents.
+    attempt: int | None = None
 
     @classmethod
-    def from_action(cls, target: str, state: ActionState, evidence: Mapping[str, Any],
-                    result: Mapping[str, Any] | None) -> Reserve:  # fmt: skip
+    def from_action(
+        cls,
+        target: str,
+        state: ActionState,
+        attempt: int | None,
+        evidence: Mapping[str, Any],
+        result: Mapping[str, Any] | None,
+    ) -> Reserve:
         """From a `reserve` action: target `<job id>-r<seq>`, evidence {nodes}, result {job_id}."""
         seq = int(target.rsplit("-r", 1)[1])
         job_id = (result or {}).get("job_id")
-        return cls(seq, int(evidence["nodes"]), state, str(job_id) if job_id else None)
+        return cls(seq, int(evidence["nodes"]), state, str(job_id) if job_id else None, attempt)
 
 
 def running_nodes(
@@ -59,22 +68,30 @@ def to_submit(
     excluded: Collection[str],
     reserves: Sequence[Reserve],
     statuses: Mapping[str, JobStatus],
-) -> tuple[int, int] | None:
-    """(seq, node count) of the reserve job to submit now, or None.
+) -> Reserve | None:
+    """The reserve job to submit now, or None.
 
     `job_nodes` are the job's nodes and its running reserves'; the idle ones that are not
     excluded are its spares. A reserve whose submission was cut short (its intent alone) is
-    finished first, as recorded; reserves SLURM has not started yet (pending, or not listed
-    yet) count as spares to come, so a pending one is never doubled."""
+    finished first, as recorded (its seq, count and attempt); reserves SLURM has not started
+    yet (pending, or not listed yet) count as spares to come, so a pending one is never
+    doubled. A new one is the next seq, of the missing count, not recorded yet."""
     unfinished = [r for r in reserves if r.state is ActionState.INTENT]
     if unfinished:
-        return unfinished[0].seq, unfinished[0].count
-    idle = [n for n in job_nodes if n not in attempt_nodes and n not in excluded]
-    coming = sum(r.count for r in reserves if _coming(r, statuses))
-    missing = spare_nodes - len(idle) - coming
+        return unfinished[0]
+    missing = spare_nodes - len(idle_spares(job_nodes, attempt_nodes, excluded))
+    missing -= sum(r.count for r in reserves if _coming(r, statuses))
     if missing <= 0 or len(reserves) >= MAX_RESERVES_PER_JOB:
         return None
-    return max((r.seq for r in reserves), default=0) + 1, missing
+    seq = max((r.seq for r in reserves), default=0) + 1
+    return Reserve(seq, missing, ActionState.INTENT)
+
+
+def idle_spares(
+    job_nodes: Sequence[str], attempt_nodes: Collection[str], excluded: Collection[str]
+) -> list[str]:
+    """The job's nodes (its reserves' included) that run no ranks and are not excluded."""
+    return [n for n in job_nodes if n not in attempt_nodes and n not in excluded]
 
 
 def _coming(reserve: Reserve, statuses: Mapping[str, JobStatus]) -> bool:

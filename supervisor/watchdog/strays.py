@@ -51,6 +51,9 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
             elif reserve[1] != run.job_id:
                 why = f"reserve for job {reserve[1]}, and the run is not in it"
                 out.append(Stray(reserve[0], run.current_attempt, job_id, why))
+            elif reserve[1] not in live:
+                why = f"reserve for job {reserve[1]}, which SLURM no longer runs"
+                out.append(Stray(reserve[0], run.current_attempt, job_id, why))
             continue
         parsed = parse_job_name(name)
         if parsed is None or parsed[0] not in runs:

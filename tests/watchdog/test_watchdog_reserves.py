@@ -108,7 +108,7 @@ def test_a_used_spare_is_refilled_by_a_reserve_job_recorded_first(
     assert request.nodes == 1 and request.no_kill
     # on no node of the job, nor on the one the run excluded
     assert {"n1", "n2", "n3"} <= set(request.exclude)
-    assert request.log_dir == reserve_log_dir(w.home, w.run_id)
+    assert request.log_dir == reserve_log_dir(w.home, w.run_id) / f"{w.job}-r1"
     task = w.cluster.tasks[reserve_id]
     assert task.reserve_for == w.job and task.nodes == ("n1", "n3")  # type: ignore[attr-defined]
     folder = attempt_log_dir(w.home, w.run_id, 2) / w.job
@@ -184,10 +184,14 @@ def test_find_strays_judges_reserves_by_the_job_they_reserve_for() -> None:
         "102": "nw-r1-j99-r1",  # an earlier job's
         "201": "nw-r2-j200-r1",  # the run ended
         "301": "nw-r3-j300-r1",  # not this database's run
+        "100": "nw-r1-a2",
     }
     strays = {s.job_id: s.reason for s in find_strays(live, runs)}
     assert set(strays) == {"102", "201"}
     assert strays["201"] == "run succeeded"
+    # the job SLURM no longer runs (cancelled by an escalation, the run left as it was)
+    del live["100"]
+    assert {s.job_id for s in find_strays(live, runs)} == {"101", "102", "201"}
 
 
 @pytest.mark.parametrize("cut", ["before_submit", "after_submit"])
@@ -216,19 +220,49 @@ def _status(job_id: str, state: JobState, *nodes: str) -> JobStatus:
 
 def test_to_submit_counts_idle_spares_and_reserves_to_come() -> None:
     job, active = ("n1", "n2", "n3"), ("n1", "n3")
-    done = Reserve(1, 1, ActionState.DONE, "7")
-    assert reserves.to_submit(1, job, active, {"n2"}, [], {}) == (1, 1)
-    assert reserves.to_submit(2, job, active, set(), [], {}) == (1, 1)  # n2 is idle, not bad
-    assert reserves.to_submit(1, job, active, {"n2"}, [done], {}) is None  # not listed yet
-    pending = {"7": _status("7", JobState.PENDING)}
-    assert reserves.to_submit(1, job, active, {"n2"}, [done], pending) is None
+    done = Reserve(1, 1, ActionState.DONE, "7", attempt=2)
+
+    def plan(spares: int, nodes=job, excluded=("n2",), rs=(), statuses=None):
+        r = reserves.to_submit(spares, nodes, active, set(excluded), list(rs), statuses or {})
+        return None if r is None else (r.seq, r.count, r.attempt)
+
+    assert plan(1) == (1, 1, None)  # not recorded yet: keyed by the current attempt
+    assert plan(2, excluded=()) == (1, 1, None)  # n2 is idle, not bad
+    assert plan(1, rs=[done]) is None  # not listed yet
+    assert plan(1, rs=[done], statuses={"7": _status("7", JobState.PENDING)}) is None
     ended = {"7": _status("7", JobState.FAILED, "n9")}
-    assert reserves.to_submit(1, job, active, {"n2"}, [done], ended) == (2, 1)
+    assert plan(1, rs=[done], statuses=ended) == (2, 1, None)
     running = {"7": _status("7", JobState.RUNNING, "n9")}
     assert reserves.running_nodes([done], running) == ("n9",)
     with_reserve = (*job, *reserves.running_nodes([done], running))
-    assert reserves.to_submit(1, with_reserve, active, {"n2"}, [done], running) is None
-    intent = Reserve(2, 3, ActionState.INTENT)
-    assert reserves.to_submit(1, job, active, {"n2"}, [done, intent], ended) == (2, 3)
+    assert plan(1, nodes=with_reserve, rs=[done], statuses=running) is None
+    # an intent cut short is finished as recorded, under the attempt it was keyed by
+    intent = Reserve(2, 3, ActionState.INTENT, attempt=2)
+    assert plan(1, rs=[done, intent], statuses=ended) == (2, 3, 2)
     many = [Reserve(i, 1, ActionState.FAILED) for i in range(1, reserves.MAX_RESERVES_PER_JOB + 1)]
-    assert reserves.to_submit(1, job, active, {"n2"}, many, {}) is None
+    assert plan(1, rs=many) is None
+
+
+def test_an_intent_left_by_an_earlier_attempt_of_the_job_is_finished_not_doubled(
+    db: Database, tmp_path: Path
+) -> None:
+    """A reserve's intent recorded under attempt 2, then a restart inside the job (attempt
+    3): the next refill finishes that intent, and only that one."""
+    w = Swapped(db, tmp_path)
+    w.cluster.crash_before_submit = True
+    with pytest.raises(Crash):
+        w.rec.tick()
+    ctx = actions.ActContext(w.run_id, 2, w.job, True, job_running=True, attempt_nodes=("n1", "n3"))
+    w.rec.actuator.restart_in_job(
+        ctx, actions.InJob(w.job, ("n1", "n3")), resume_step=50, reason="a crash"
+    )
+    assert attempts(db, w.run_id)[-1].number == 3
+    w.source.samples[(w.run_id, 3)] = simulate(3, steps=70, steps_per_sample=2)
+    w.rec.tick()
+    w.rec.tick()
+    names = [r.job_name for _, r in w.cluster.submitted[1:]]
+    assert names == [f"nw-{w.run_id}-j{w.job}-r1"]
+    (done,) = reserve_actions(db, w.run_id)
+    assert done.state is ActionState.DONE and done.attempt == 2
+    task = w.cluster.tasks[w.cluster.submitted[-1][0]]
+    assert task.attempt == 3  # type: ignore[attr-defined]  # a spare of the current attempt
