@@ -85,39 +85,26 @@ class Checkpointer:
         """Save at `step` (collective); with async saves, start it and return. `step_seconds`:
         the wall time of the step before it, recorded with the save's own timing."""
         with self._waiting():
-            self._save(model, optimizer, step, cursor, loss, loss_trend, step_seconds, last_eval)
-
-    def _save(
-        self,
-        model: list,
-        optimizer: object,
-        step: int,
-        cursor: int,
-        loss: float,
-        loss_trend: tuple[float, ...],
-        step_seconds: float,
-        last_eval: tuple[int, float] | None,
-    ) -> None:
-        self._finish()
-        self.step_seconds = step_seconds
-        target = dist_ckpt.Target(
-            self.root, step, cursor, loss, self.layout, self.spec.keep_last, self.protect,
-            self.spec.keep_seconds, loss_trend, last_eval,
-        )  # fmt: skip
-        t0 = self.started = time.perf_counter()
-        try:
-            if self.spec.async_save:
-                self.pending = self.writer.start(model, optimizer, target)
-                self._capture(model, optimizer, target)
-                self.stall = time.perf_counter() - t0
+            self._finish()
+            self.step_seconds = step_seconds
+            target = dist_ckpt.Target(
+                self.root, step, cursor, loss, self.layout, self.spec.keep_last, self.protect,
+                self.spec.keep_seconds, loss_trend, last_eval,
+            )  # fmt: skip
+            t0 = self.started = time.perf_counter()
+            try:
+                if self.spec.async_save:
+                    self.pending = self.writer.start(model, optimizer, target)
+                    self._capture(model, optimizer, target)
+                    self.stall = time.perf_counter() - t0
+                    return
+                path = self.writer.save(model, optimizer, target)
+            except dist_ckpt.STORAGE_ERRORS as exc:
+                self._failed(step, time.perf_counter() - t0, exc)
                 return
-            path = self.writer.save(model, optimizer, target)
-        except dist_ckpt.STORAGE_ERRORS as exc:
-            self._failed(step, time.perf_counter() - t0, exc)
-            return
-        self._capture(model, optimizer, target)
-        duration = time.perf_counter() - t0
-        self._published(step, path, duration, duration)
+            self._capture(model, optimizer, target)
+            duration = time.perf_counter() - t0
+            self._published(step, path, duration, duration)
 
     def poll(self) -> None:
         """Publish the save in flight if every rank's writer finished (collective, each step)."""
