@@ -62,7 +62,7 @@ from supervisor.models import (
 from supervisor.slurm import Cluster, SourceUnavailable, Unsupported
 from supervisor.watchdog.lease import LeaseGuard
 from supervisor.watchdog.notify import Notifier
-from supervisor.watchdog.reserves import Reserve
+from supervisor.watchdog.reserves import Reserve, idle_spares
 from supervisor.watchdog.snapshot import Remedy, RemedyKind
 
 log = logging.getLogger("nightwatch.watchdog.actions")
@@ -117,7 +117,7 @@ def swap_in_spares(
     """`active` with each bad node replaced, in its place (rank order kept), by a node of the
     job that runs no ranks and is neither bad nor excluded; None when the spares run short."""
     out = set(bad) | set(excluded)
-    spares = [n for n in job_nodes if n not in active and n not in out]
+    spares = idle_spares(job_nodes, active, out)
     nodes = []
     for node in active:
         if node in bad:
