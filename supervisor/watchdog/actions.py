@@ -661,6 +661,7 @@ class Actuator:
                     Action.kind == ActionKind.RESTART_IN_JOB.value,
                 )
             )
+            fleet = store.fleet_excluded_nodes(s)
         if begun is not None:
             return InJob(begun.target, tuple(begun.evidence_json.get("nodes", ())))
         if remedy.kind is RemedyKind.REQUEUE:
@@ -673,9 +674,8 @@ class Actuator:
             # with spares, every order names its nodes: the job's nodes are not all the ranks'
             return InJob(ctx.job_id, ctx.attempt_nodes if spec.resources.spare_nodes else ())
         if remedy.kind is RemedyKind.EXCLUDE_NODE and spec.resources.spare_nodes:
-            nodes = swap_in_spares(
-                ctx.attempt_nodes, ctx.job_nodes, remedy.exclude_nodes, run.excluded_nodes_json
-            )
+            excluded = [*run.excluded_nodes_json, *fleet]  # the run's and an operator's
+            nodes = swap_in_spares(ctx.attempt_nodes, ctx.job_nodes, remedy.exclude_nodes, excluded)
             if nodes is not None:
                 return InJob(ctx.job_id, nodes)
         return None

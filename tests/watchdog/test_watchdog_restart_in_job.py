@@ -24,7 +24,15 @@ from contracts.restart import exit_code_path, job_control_dir, read_order
 from contracts.spec import RunSpec
 from supervisor import store
 from supervisor.db import Database
-from supervisor.models import Action, ActionState, Attempt, AttemptState, Run, RunState
+from supervisor.models import (
+    Action,
+    ActionState,
+    Attempt,
+    AttemptState,
+    NodeActionKind,
+    Run,
+    RunState,
+)
 from supervisor.slurm import JobState, JobStatus
 from supervisor.watchdog import actions, reconciler
 from supervisor.watchdog.observe import LINGER_S
@@ -236,6 +244,26 @@ def test_a_bad_node_without_a_spare_left_resubmits(db: Database, tmp_path: Path)
     assert rec.tick().remedies[run_id].kind is RemedyKind.EXCLUDE_NODE
     assert cluster.cancelled == [job] and len(cluster.submitted) == 2
     assert in_job_actions(db, run_id) == []
+
+
+def test_a_spare_an_operator_took_out_of_the_fleet_is_no_spare(
+    db: Database, tmp_path: Path
+) -> None:
+    """The job's only spare was excluded by an operator (not by the run): a node fault does
+    not move onto it inside the job, it resubmits, as the refill of spares already counts it."""
+    rec, cluster, source, run_id, job = running(db, tmp_path, SPARE_SPEC, ("n1", "n2", "n3"))
+    rec.tick()  # the leader lists the cluster's nodes
+    with db.write_session() as s:
+        store.request_node_action(s, "n3", NodeActionKind.EXCLUDE, by="oncall", reason="ecc")
+    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(SPARE_SPEC))
+    write_checkpoint(ckpt, 50, 400)
+    source.samples[(run_id, 1)] = simulate(1, steps=70, steps_per_sample=2)
+    nan_on(ckpt, "n2", (61, 62))
+    cluster.nodes_per_job = ("n1", "n2", "n3", "n4", "n5")  # free nodes for the new job
+    assert rec.tick().remedies[run_id].kind is RemedyKind.EXCLUDE_NODE
+    assert cluster.cancelled == [job] and len(cluster.submitted) == 2
+    assert in_job_actions(db, run_id) == []
+    assert {"n2", "n3"} <= set(cluster.submitted[-1][1].exclude)
 
 
 def test_ranks_that_all_checkpointed_on_a_stop_signal_are_requeued_before_slurm_ends_the_job(
