@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 from benchmarks.soak.progress import Progress, parse_lines
@@ -19,6 +21,9 @@ from benchmarks.soak.score import pace_s
 
 #: Steps a pace window spans (the soak's `pace_window`).
 WINDOW = 10
+#: An interval between two step completions longer than this many paces is a stop (a restart,
+#: a requeue, a save), not a slow step.
+STOP_PACES = 3
 
 
 def read_progress(paths: Iterable[Path]) -> Progress:
@@ -47,6 +52,40 @@ def stretches(progress: Progress, bounds: Sequence[int]) -> list[float | None]:
     return out
 
 
+@dataclass(frozen=True)
+class Parts:
+    """A stretch's excess split three ways: stops (intervals between step completions over
+    `STOP_PACES` paces, beyond one pace each), steps trained again (after a rollback or a
+    restart, at the pace), and the rest (steps slower than the pace)."""
+
+    stops_s: float
+    redone_s: float
+    slow_s: float
+
+
+def parts(progress: Progress, bounds: Sequence[int]) -> list[Parts | None]:
+    """`stretches`' excess of each stretch, split into `Parts`."""
+    whole = pace_s(progress, WINDOW)
+    out: list[Parts | None] = []
+    if whole is None or not progress.steps:
+        return [None] * len(bounds)
+    step, t = progress.steps[0].step, progress.steps[0].t
+    for bound, excess in zip(bounds, stretches(progress, bounds), strict=True):
+        reached = progress.first_reaching(bound)
+        if reached is None or excess is None:
+            out.append(None)
+            continue
+        stretch = Progress(steps=[e for e in progress.steps if step < e.step <= bound])
+        pace = pace_s(stretch, WINDOW) or whole
+        timed = [e.t for e in progress.steps if t <= e.t <= reached.t]
+        gaps = [b - a for a, b in pairwise(timed)]
+        stops = sum(g - pace for g in gaps if g > STOP_PACES * pace)
+        redone = (len(timed) - 1 - (bound - step)) * pace
+        out.append(Parts(stops, redone, excess - stops - redone))
+        step, t = bound, reached.t
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a soak's run folder (holds result.json)")
@@ -57,12 +96,14 @@ def main() -> None:
     names = ["(start)"] + [f["kind"] for f in faults]
     nightwatch = read_progress(args.run.glob("home/runs/*/logs/a*/*/*_0_log.out"))
     reference = read_progress((args.run / "reference").rglob("*_log.out"))
-    print(f"{'stretch after':20s} {'to step':>7s} {'nightwatch s':>12s} {'reference s':>11s}")
+    head = ("stretch after", "to step", "nightwatch s", "stops", "redone", "slow", "reference s")
+    print("{:20s} {:>7s} {:>12s} {:>6s} {:>6s} {:>6s} {:>11s}".format(*head))
     nw_s, ref_s = stretches(nightwatch, bounds), stretches(reference, bounds)
-    rows = zip(names, bounds, nw_s, ref_s, strict=True)
-    for name, bound, nw, ref in rows:
-        shown = [f"{v:.1f}" if v is not None else "-" for v in (nw, ref)]
-        print(f"{name:20s} {bound:7d} {shown[0]:>12s} {shown[1]:>11s}")
+    rows = zip(names, bounds, nw_s, parts(nightwatch, bounds), ref_s, strict=True)
+    for name, bound, nw, split, ref in rows:
+        split_s = (split.stops_s, split.redone_s, split.slow_s) if split else (None,) * 3
+        shown = [f"{v:.1f}" if v is not None else "-" for v in (nw, *split_s, ref)]
+        print("{:20s} {:7d} {:>12s} {:>6s} {:>6s} {:>6s} {:>11s}".format(name, bound, *shown))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from benchmarks.soak.score import (
     score_system,
     steps_lost,
 )
-from benchmarks.soak_stretches import stretches
+from benchmarks.soak_stretches import Parts, parts, stretches
 
 
 def run(segments: list[tuple[float, int, int, str]], loss=lambda s: 10.0 / (1 + s)) -> Progress:
@@ -488,3 +488,17 @@ def test_stretches_name_the_seconds_each_faults_recovery_cost() -> None:
         t += 0.25 + (5.0 if step == 41 else 0.0)
         progress.steps.append(StepEvent(t, step, 3.0, "1/1"))
     assert stretches(progress, [40, 100, 120]) == [0.0, 5.0, None]
+
+
+def test_a_stretchs_excess_splits_into_its_stop_its_redone_steps_and_slow_steps() -> None:
+    """Steps 0.25 s apart; after step 50 a 4 s stop, then steps 46-50 trained again (a
+    rollback: 5 × 0.25 s) and steps 51-60 at 0.5 s (slow): the stretch's 7.75 s beyond its
+    pace is 4 stop + 1.25 redone + 2.5 slow; the first stretch's 0 is all zeros."""
+    progress = Progress()
+    t = 0.0
+    steps = [*range(1, 51), *range(46, 101)]
+    for i, step in enumerate(steps):
+        t += 0.25 + (4.0 if i == 50 else 0.0) + (0.25 if 50 < step <= 60 and i > 50 else 0.0)
+        progress.steps.append(StepEvent(t, step, 3.0, "1/1" if i < 50 else "1/2"))
+    assert stretches(progress, [40, 100]) == [0.0, 7.75]
+    assert parts(progress, [40, 100]) == [Parts(0.0, 0.0, 0.0), Parts(4.0, 1.25, 2.5)]
