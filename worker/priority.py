@@ -58,6 +58,12 @@ def lowest_priority(
     if not enabled or own >= LOWEST_PRIORITY or not may_raise_priority_to(own):
         yield
         return
+    if needed is not None and needed():
+        # Already ordered (a successor whose requeue came before its node tasks started): at
+        # nice 19 the watch below would itself wait for CPU to see it, seconds on a busy host.
+        log.info("needed at once: importing at nice %d", own, extra=context)
+        yield
+        return
     lowered = _Lowered(own, _own_autogroup_nice(), threading.get_native_id(), context)
     log.info("importing at nice %d%s", LOWEST_PRIORITY, " (and its autogroup)" if
              lowered.group is not None else "", extra=context)  # fmt: skip

@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -60,13 +60,40 @@ class _EarlyStop:
     submitit's default USR2 handler would `scontrol requeue` the job behind our back, and the
     default TERM action kills without a checkpoint; nothing has trained yet, so leaving with 75
     loses no steps.
+
+    A node task that runs no ranks (`leaving`: a spare, a standby or reserve node, a node
+    waiting for a restart order) has nothing to save and leaves at once: one that only
+    remembered the signal held its node until SLURM's KillWait killed it, and the next job,
+    which needs the node, waited that long.
     """
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._leave_with: int | None = None
+        self._context: dict[str, object] = {}
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.signum = signum
+        if self._leave_with is not None:
+            self._leave_now(signum, self._leave_with)
+
+    @contextlib.contextmanager
+    def leaving(self, code: int, context: dict[str, object]) -> Iterator[None]:
+        """While the body runs no ranks here: a stop signal (one seen before included) ends
+        the task with `code`."""
+        self._context = context
+        if self.signum is not None:
+            self._leave_now(self.signum, code)
+        self._leave_with = code
+        try:
+            yield
+        finally:
+            self._leave_with = None
+
+    def _leave_now(self, signum: int, code: int) -> NoReturn:
+        log.info("stop signal %d on a node that runs no ranks: leaving (exit %d)", signum, code,
+                 extra=self._context)  # fmt: skip
+        _leave(code)
 
     def install(self) -> None:
         for sig in (signal.SIGUSR2, signal.SIGTERM):
@@ -150,7 +177,13 @@ class TrainingTask:
             # a node that runs no ranks yet imports with what CPU training leaves idle
             idle = self._scheduled(info) is None
             context = self._context(info.job_id)
-            with lowest_priority(idle, context, needed=self._needed(info) if idle else None):
+            leaving = (
+                early.leaving(exitcodes.REQUEUE, context) if idle else contextlib.nullcontext()
+            )
+            with (
+                leaving,
+                lowest_priority(idle, context, needed=self._needed(info) if idle else None),
+            ):
                 _preload(self.entry)
             name_process(NODE_PROCESS_NAME)
             code = self._node(info, early)
@@ -174,7 +207,8 @@ class TrainingTask:
             placed = task._scheduled(info)
             if placed is None:
                 assert watch is not None  # spares exist only with restarts inside the job
-                order = task._spare(info, watch)
+                with early.leaving(exitcodes.REQUEUE, task._context(info.job_id)):
+                    order = task._spare(info, watch)
                 if order is None:
                     return exitcodes.OK
             else:
@@ -193,9 +227,11 @@ class TrainingTask:
                     context = task._context(info.job_id)
                     log.warning("ranks failed (exit %d): waiting %.0f s for a restart order",
                                 code, task.restart_wait_s, extra=context)  # fmt: skip
-                    order = watch.wait(task.restart_wait_s)
+                    outcome = task._outcome(info, ranks, code)
+                    with early.leaving(outcome, context):
+                        order = watch.wait(task.restart_wait_s)
                     if order is None:
-                        return task._outcome(info, ranks, code)
+                        return outcome
             assert order is not None
             task = task._ordered(order, info.job_id)
             log.info("restart in job: attempt %d from step %s", order.attempt,

@@ -234,3 +234,18 @@ def test_a_standby_job_without_an_order_ends_without_training(slurm, tmp_path, t
 
 def _node_log(folder: Path, job_id: str) -> str:
     return "".join(tail(p) for p in sorted((folder / job_id).glob(f"{job_id}_*_log.out")))
+
+
+def test_a_cancelled_jobs_idle_node_tasks_leave_at_once(slurm, tmp_path, toy_spec, toy_plan):
+    """scancel sends TERM, then SIGKILL after KillWait: node tasks that run no ranks (here a
+    standby job's, waiting for their order) leave on the TERM with 75, so the nodes are free
+    for the next job at once instead of after KillWait."""
+    spec = _spec(toy_spec, "standby-cancel")
+    plan = toy_plan(tmp_path, spec, attempt=2, run_dir=tmp_path / "run", standby_wait_s=120.0)
+    job = launcher.submit(slurm, plan).job_id
+    waiting = lambda: _node_log(plan.log_dir, job).count("standby: waiting") == 2  # noqa: E731
+    wait_until("both standby nodes wait", waiting, 60)
+    slurm.cancel(job)
+    assert wait_for(slurm, job, lambda s: s.state.terminal, 60).state is JobState.CANCELLED
+    left = "stop signal 15 on a node that runs no ranks: leaving (exit 75)"
+    assert _node_log(plan.log_dir, job).count(left) == 2

@@ -71,3 +71,14 @@ def test_an_order_that_needs_the_node_returns_its_priority_during_the_import() -
             time.sleep(0.01)
         assert _nice() == own
     assert _nice() == own
+
+
+def test_a_node_already_ordered_never_lowers_its_priority() -> None:
+    """The order came before the import (a successor requeued before its node tasks began):
+    the body runs at the node's own priority from the start."""
+    if not priority.may_raise_priority_to(_nice()):
+        pytest.skip("this process may not lower its nice value again")
+    own, seen = _nice(), []
+    with priority.lowest_priority(True, {}, needed=lambda: True):
+        seen.append(_nice())
+    assert seen == [own] and _nice() == own
