@@ -441,6 +441,7 @@ class Reconciler:
             job=job,
             checkpoint_interval_steps=spec.checkpoint.interval_steps,
             global_batch_size=spec.training.global_batch_size,
+            warmup_steps=spec.training.lr_warmup_steps,
             target_steps=run.target_steps,
             disk_checkpoint_step=disk.step,
             attempt_started_at=ts(attempt.started_at),

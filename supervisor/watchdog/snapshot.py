@@ -58,6 +58,7 @@ class Snapshot:
     job: JobView
     checkpoint_interval_steps: int = 100
     global_batch_size: int = 1
+    warmup_steps: int = 0  # the learning rate's warmup (`training.lr_warmup_steps`)
     target_steps: int | None = None
     disk_checkpoint_step: int | None = None  # newest complete checkpoint on disk
     attempt_started_at: float | None = None  # when SLURM was first seen running the job

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import pytest
 from watchdog_curves import GLOBAL_BATCH, Faults, simulate, snapshot
@@ -176,6 +177,34 @@ def test_grad_explosion_needs_sustain(rc: RecoverySpec) -> None:
     assert detect_grad_explosion(snapshot(samples[:251]), rc) == []
     (f,) = detect_grad_explosion(snapshot(samples[:253]), rc)
     assert f.first_bad_step == 250 and f.last_healthy_step == 249
+
+
+#: A 1.3B GPT's first gradient norms from scratch on an H200 (bf16, LR warmup 5 steps), then
+#: the same norms as an episode after 40 healthy steps.
+FIRST_NORMS = (52.65, 44.13, 34.45, 4.32, 16.37)
+
+
+def _norms(norms: Sequence[float], first_step: int = 1) -> list[MetricSample]:
+    """One sample a step, each window reaching back to the step before (scrapes between)."""
+    return [
+        MetricSample(t=1000.0 + i, step=first_step + i, last_step_ts=1000.0 + i, loss=9.0,
+                     grad_norm=n, grad_norm_window_max=max(n, norms[i - 1] if i else n))
+        for i, n in enumerate(norms)
+    ]  # fmt: skip
+
+
+def test_a_runs_first_high_norms_are_its_initial_transient_not_an_explosion(
+    rc: RecoverySpec,
+) -> None:
+    assert detect_grad_explosion(snapshot(_norms(FIRST_NORMS)), rc) == []
+    late = _norms([3.0] * 40 + list(FIRST_NORMS))
+    (f,) = detect_grad_explosion(snapshot(late), rc)
+    assert (f.last_healthy_step, f.first_bad_step) == (40, 41)
+    # high from the start, but past the settling steps (and the warmup): an explosion
+    assert detect_grad_explosion(snapshot(_norms(FIRST_NORMS, first_step=11)), rc) != []
+    longer_warmup = dataclasses.replace(snapshot(_norms(FIRST_NORMS, first_step=11)),
+                                        warmup_steps=20)  # fmt: skip
+    assert detect_grad_explosion(longer_warmup, rc) == []
 
 
 def test_throughput_drop(rc: RecoverySpec) -> None:
