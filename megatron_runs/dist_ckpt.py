@@ -29,6 +29,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from contracts import checkpoints as ck
 from megatron_runs import async_save, model_space
@@ -49,7 +50,11 @@ class SaveFailed(Exception):
 
 #: What a save may fail with while the process group stays sound: storage, not communication.
 #: A collective that failed (a peer died mid-save) is none of these and must end the rank.
-STORAGE_ERRORS: tuple[type[Exception], ...] = (OSError, CheckpointingException, SaveFailed)
+#: torch's `CheckpointException` is a writer's failure (a full disk) that megatron broadcast
+#: before every rank raised it (`save_state_dict_async_finalize`).
+STORAGE_ERRORS: tuple[type[Exception], ...] = (
+    OSError, CheckpointingException, CheckpointException, SaveFailed,
+)  # fmt: skip
 
 
 @dataclass

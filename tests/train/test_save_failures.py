@@ -33,13 +33,17 @@ class _Events:
 SAVING = "nightwatch_train_save_started_timestamp_seconds"
 
 
-def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
-    """One rank of a 2-rank gloo job that saves at step 10 (megatron's writer stubbed). It
-    imports the training loop here, in the spawned process: megatron stays out of pytest's.
-    It also answers what its metrics said of the save while the writer ran and after."""
+def _rank(rank: int, store: str, root: str, mode: str, answers: Any) -> None:
+    """One rank of a 2-rank gloo job that saves at step 10 (megatron's writer stubbed: rank 1
+    `dies` in it, it writes nothing (`empty`), or it fails on every rank as megatron's does
+    when a writer process failed, `write_failed`). It imports the training loop here, in the
+    spawned process: megatron stays out of pytest's. It also answers what its metrics said of
+    the save while the writer ran and after."""
     from megatron_runs import setup  # first: its CPU stand-ins must precede megatron's import
 
     torch = setup.torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from megatron_runs import dist_ckpt, saver
     from megatron_runs.metrics import TrainMetrics
 
@@ -52,10 +56,13 @@ def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
     setup.ps.initialize_model_parallel(1, 1)
 
     def write(state: dict, path: str, *args: Any, **kwargs: Any) -> None:
-        if dies and rank == 1:
+        if mode == "dies" and rank == 1:
             os._exit(9)  # killed between the save's collectives
         answers.put((rank, "saving since", metrics.registry.get_sample_value(SAVING, labels)))
         torch.distributed.barrier()
+        if mode == "write_failed":  # megatron broadcasts a writer's failure, then every rank raises
+            worker = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672]")
+            raise CheckpointException("write", {0: worker})
 
     dist_ckpt.dist_checkpointing.save = write
     dist_ckpt._state_dict = lambda *args, **kwargs: {}
@@ -72,12 +79,12 @@ def _rank(rank: int, store: str, root: str, dies: bool, answers: Any) -> None:
     answers.put((rank, "in step", None))
 
 
-def _run_ranks(tmp_path: Path, dies: bool) -> list[tuple[int, str, Any]]:
+def _run_ranks(tmp_path: Path, mode: str) -> list[tuple[int, str, Any]]:
     ctx = multiprocessing.get_context("spawn")
     answers = ctx.Queue()
     root = tmp_path / "ckpt"
     procs = [
-        ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(root), dies, answers))
+        ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(root), mode, answers))
         for r in range(2)
     ]
     for p in procs:
@@ -94,15 +101,17 @@ def _run_ranks(tmp_path: Path, dies: bool) -> list[tuple[int, str, Any]]:
 
 
 def test_a_peer_dying_mid_save_ends_the_survivor(tmp_path: Path) -> None:
-    seen = [a for a in _run_ranks(tmp_path, dies=True) if a[1] != "saving since"]
+    seen = [a for a in _run_ranks(tmp_path, "dies") if a[1] != "saving since"]
     assert [(rank, what) for rank, what, _ in seen] == [(0, "raised")]
     assert "closed" in seen[0][2].lower() or "reset" in seen[0][2].lower()
 
 
-def test_an_unpublishable_save_is_reported_on_every_rank_and_both_go_on(tmp_path: Path) -> None:
-    # The stub writes nothing: rank 0 refuses to publish an empty checkpoint (verify fails).
+@pytest.mark.parametrize("mode", ["empty", "write_failed"])
+def test_a_failed_save_is_reported_on_every_rank_and_both_go_on(tmp_path: Path, mode: str) -> None:
+    """The stub writes nothing (rank 0 refuses to publish an empty checkpoint: verify fails),
+    or megatron's writer failed (a full disk: every rank raises torch's CheckpointException)."""
     began = time.time()
-    seen = _run_ranks(tmp_path, dies=False)
+    seen = _run_ranks(tmp_path, mode)
     assert [(rank, what) for rank, what, _ in seen] == [
         (0, "in step"),
         (0, "returned"),
