@@ -526,6 +526,7 @@ def _reserves(session: Session, runs: Sequence[Run]) -> dict[str, list[Reserve]]
             Action.attempt,
             Action.evidence_json,
             Action.result_json,
+            Action.created_at,
             Attempt.job_id,
         )
         .join(Run, Run.id == Action.run_id)
@@ -540,8 +541,9 @@ def _reserves(session: Session, runs: Sequence[Run]) -> dict[str, list[Reserve]]
     for row in rows:
         if row.job_id is not None and row.evidence_json.get("job_id") == row.job_id:
             reserve = Reserve.from_action(
-                row.target, row.state, row.attempt, row.evidence_json, row.result_json
-            )
+                row.target, row.state, row.attempt, row.evidence_json, row.result_json,
+                ts(row.created_at) or 0.0,
+            )  # fmt: skip
             out.setdefault(row.run_id, []).append(reserve)
     return out
 

@@ -486,7 +486,7 @@ class Reconciler:
         self._prepare_successor(run, attempt, spec, snap)
         if not findings:
             if job_running and job.state is AttemptState.RUNNING and spec.resources.spare_nodes:
-                self._refill_spares(run, attempt, spec, job_nodes, job.nodes, reserves, world)
+                self._refill_spares(run, attempt, spec, job_nodes, job.nodes, reserves, world, now)
             return Outcome()
         result.findings[run.id] = findings
         # decide
@@ -557,13 +557,14 @@ class Reconciler:
         attempt_nodes: tuple[str, ...],
         reserves: list[Reserve],
         world: World,
+        now: float,
     ) -> None:
         """Submit a reserve job when the running job's idle spares (its own and its running
         reserves') fell below `resources.spare_nodes` (`supervisor.watchdog.reserves`)."""
         spares = spec.resources.spare_nodes
         excluded = {*run.excluded_nodes_json, *world.fleet_excluded}
         reserve = reserves_to_submit(
-            spares, job_nodes, attempt_nodes, excluded, reserves, world.statuses
+            spares, job_nodes, attempt_nodes, excluded, reserves, world.statuses, now
         )
         if reserve is None:
             return

@@ -16,9 +16,11 @@ from typing import Any
 from supervisor.models import ActionState
 from supervisor.slurm import JobState, JobStatus
 
-#: Reserve jobs submitted for one job at most: a reserve that keeps failing (a node that
-#: cannot start the task, a partition that refuses it) must not become a submission loop.
+#: Reserve jobs submitted for one job within `RESERVE_WINDOW_S` at most: a reserve that keeps
+#: failing (a node that cannot start the task, a partition that refuses it) must not become a
+#: submission loop, while a job that runs for days refills after every node fault.
 MAX_RESERVES_PER_JOB = 8
+RESERVE_WINDOW_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class Reserve:
     #: The attempt its action is keyed by (None: not recorded yet; it will be the current one).
     #: A job outlives its attempts (restarts inside it), and so do its reserves' intents.
     attempt: int | None = None
+    #: When its action was recorded (epoch seconds).
+    recorded_at: float = 0.0
 
     @classmethod
     def from_action(
@@ -42,11 +46,13 @@ class Reserve:
         attempt: int | None,
         evidence: Mapping[str, Any],
         result: Mapping[str, Any] | None,
+        recorded_at: float = 0.0,
     ) -> Reserve:
         """From a `reserve` action: target `<job id>-r<seq>`, evidence {nodes}, result {job_id}."""
         seq = int(target.rsplit("-r", 1)[1])
         job_id = (result or {}).get("job_id")
-        return cls(seq, int(evidence["nodes"]), state, str(job_id) if job_id else None, attempt)
+        job = str(job_id) if job_id else None
+        return cls(seq, int(evidence["nodes"]), state, job, attempt, recorded_at)
 
 
 def running_nodes(
@@ -68,8 +74,10 @@ def to_submit(
     excluded: Collection[str],
     reserves: Sequence[Reserve],
     statuses: Mapping[str, JobStatus],
+    now: float,
 ) -> Reserve | None:
-    """The reserve job to submit now, or None.
+    """The reserve job to submit now, or None (also once `MAX_RESERVES_PER_JOB` were recorded
+    within the last `RESERVE_WINDOW_S`).
 
     `job_nodes` are the job's nodes and its running reserves'; the idle ones that are not
     excluded are its spares. A reserve whose submission was cut short (its intent alone) is
@@ -81,7 +89,8 @@ def to_submit(
         return unfinished[0]
     missing = spare_nodes - len(idle_spares(job_nodes, attempt_nodes, excluded))
     missing -= sum(r.count for r in reserves if _coming(r, statuses))
-    if missing <= 0 or len(reserves) >= MAX_RESERVES_PER_JOB:
+    recent = sum(1 for r in reserves if now - r.recorded_at < RESERVE_WINDOW_S)
+    if missing <= 0 or recent >= MAX_RESERVES_PER_JOB:
         return None
     seq = max((r.seq for r in reserves), default=0) + 1
     return Reserve(seq, missing, ActionState.INTENT)

@@ -222,8 +222,8 @@ def test_to_submit_counts_idle_spares_and_reserves_to_come() -> None:
     job, active = ("n1", "n2", "n3"), ("n1", "n3")
     done = Reserve(1, 1, ActionState.DONE, "7", attempt=2)
 
-    def plan(spares: int, nodes=job, excluded=("n2",), rs=(), statuses=None):
-        r = reserves.to_submit(spares, nodes, active, set(excluded), list(rs), statuses or {})
+    def plan(spares: int, nodes=job, excluded=("n2",), rs=(), statuses=None, now=0.0):
+        r = reserves.to_submit(spares, nodes, active, set(excluded), list(rs), statuses or {}, now)
         return None if r is None else (r.seq, r.count, r.attempt)
 
     assert plan(1) == (1, 1, None)  # not recorded yet: keyed by the current attempt
@@ -239,8 +239,13 @@ def test_to_submit_counts_idle_spares_and_reserves_to_come() -> None:
     # an intent cut short is finished as recorded, under the attempt it was keyed by
     intent = Reserve(2, 3, ActionState.INTENT, attempt=2)
     assert plan(1, rs=[done, intent], statuses=ended) == (2, 3, 2)
-    many = [Reserve(i, 1, ActionState.FAILED) for i in range(1, reserves.MAX_RESERVES_PER_JOB + 1)]
-    assert plan(1, rs=many) is None
+    # at most MAX_RESERVES_PER_JOB within the window: a failing reserve is no submission loop,
+    # and a job that runs for days refills after each node fault
+    cap, window = reserves.MAX_RESERVES_PER_JOB, reserves.RESERVE_WINDOW_S
+    many = [Reserve(i, 1, ActionState.FAILED, recorded_at=100.0 + i) for i in range(1, cap + 1)]
+    assert plan(1, rs=many, now=100.0 + cap) is None
+    assert plan(1, rs=many, now=100.5 + window) is None
+    assert plan(1, rs=many, now=101.0 + window) == (cap + 1, 1, None)  # the first one aged out
 
 
 def test_an_intent_left_by_an_earlier_attempt_of_the_job_is_finished_not_doubled(
