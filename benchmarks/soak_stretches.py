@@ -22,8 +22,8 @@ from benchmarks.soak.score import pace_s
 #: Steps a pace window spans (the soak's `pace_window`).
 WINDOW = 10
 #: An interval between two step completions longer than this many paces is a stop (a restart,
-#: a requeue, a save), not a slow step.
-STOP_PACES = 3
+#: a requeue), not a slow step: longer than a whole pace window, which holds one save.
+STOP_PACES = 10
 
 
 def read_progress(paths: Iterable[Path]) -> Progress:
