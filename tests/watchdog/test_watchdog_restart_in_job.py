@@ -232,29 +232,20 @@ def test_a_bad_node_is_swapped_for_the_jobs_spare_inside_the_job(
     assert attempts(db, run_id)[-1].nodes_json == ["n1", "n3"]
 
 
-def test_a_bad_node_without_a_spare_left_resubmits(db: Database, tmp_path: Path) -> None:
-    rec, cluster, source, run_id, job = running(db, tmp_path, SPARE_SPEC, ("n1", "n2", "n3"))
-    with db.write_session() as s:
-        store.update_run(s, run_id, excluded_nodes_json=["n3"])  # the spare went bad before
-    ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(SPARE_SPEC))
-    write_checkpoint(ckpt, 50, 400)
-    source.samples[(run_id, 1)] = simulate(1, steps=70, steps_per_sample=2)
-    nan_on(ckpt, "n2", (61, 62))
-    cluster.nodes_per_job = ("n1", "n2", "n3", "n4", "n5")  # free nodes for the new job
-    assert rec.tick().remedies[run_id].kind is RemedyKind.EXCLUDE_NODE
-    assert cluster.cancelled == [job] and len(cluster.submitted) == 2
-    assert in_job_actions(db, run_id) == []
-
-
-def test_a_spare_an_operator_took_out_of_the_fleet_is_no_spare(
-    db: Database, tmp_path: Path
+@pytest.mark.parametrize("taken_out_by", ["run", "operator"])
+def test_a_bad_node_without_a_spare_left_resubmits(
+    db: Database, tmp_path: Path, taken_out_by: str
 ) -> None:
-    """The job's only spare was excluded by an operator (not by the run): a node fault does
-    not move onto it inside the job, it resubmits, as the refill of spares already counts it."""
+    """The job's only spare is out: the run excluded it before (it went bad), or an operator
+    took it out of the fleet. A node fault does not move onto it inside the job; it resubmits
+    (as the refill of spares counts it out too)."""
     rec, cluster, source, run_id, job = running(db, tmp_path, SPARE_SPEC, ("n1", "n2", "n3"))
     rec.tick()  # the leader lists the cluster's nodes
     with db.write_session() as s:
-        store.request_node_action(s, "n3", NodeActionKind.EXCLUDE, by="oncall", reason="ecc")
+        if taken_out_by == "run":
+            store.update_run(s, run_id, excluded_nodes_json=["n3"])
+        else:
+            store.request_node_action(s, "n3", NodeActionKind.EXCLUDE, by="oncall", reason="ecc")
     ckpt = checkpoint_dir(tmp_path / "home", run_id, RunSpec.model_validate(SPARE_SPEC))
     write_checkpoint(ckpt, 50, 400)
     source.samples[(run_id, 1)] = simulate(1, steps=70, steps_per_sample=2)
