@@ -1,12 +1,16 @@
-"""Start N ranks of `python -m megatron_runs.train` on this host (tests, demo, benchmarks).
+"""Start N ranks of `python -m megatron_runs.train` on this host (tests, smoke check, benchmarks).
 
 Like torchrun without its agent: each rank gets the torch.distributed environment, its own
 log file, and when one rank exits non-zero the others are stopped (they would otherwise wait
-forever in a collective), as SLURM does with a job step whose task failed.
+forever in a collective), as SLURM does with a job step whose task failed. The ranks are
+forked by one launcher process that imported the training program once, as a node task forks
+them (`megatron_runs.local_ranks`): each rank importing torch and megatron-core on its own
+cost ≈ 8 s of wall time per launch of 4 ranks on a 2-core machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contracts.restart import memory_tier_env
+from megatron_runs import local_ranks
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +64,10 @@ def log_events(text: str) -> list[dict]:
 
 @dataclass
 class LocalRun:
-    procs: list[subprocess.Popen]
+    """The ranks of one `launch`: children of one launcher process, which writes each rank's
+    pid and exit code beside its log (`local_ranks`)."""
+
+    launcher: subprocess.Popen
     logs: list[Path]
     codes: list[int | None] = field(default_factory=list)
 
@@ -70,18 +78,29 @@ class LocalRun:
     def losses(self) -> dict[int, float]:
         return {e["step"]: e["loss"] for e in self.events() if e["event"] == "step"}
 
+    def poll(self) -> list[int | None]:
+        """Each rank's exit code as Popen gives it (negative: killed by that signal), None while
+        it runs. A rank the launcher never reported (it failed before forking, or was killed)
+        ended with the launcher's code."""
+        launcher = self.launcher.poll()  # first: it records every rank it reaps before it ends
+        codes = [local_ranks.read_number(local_ranks.exit_file(log)) for log in self.logs]
+        return [launcher if code is None else code for code in codes]
+
     def signal(self, signum: int) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        """A stop signal (USR2/TERM) to every live rank: the launcher forwards it, also to the
+        ranks it has not forked yet, once it has."""
+        if signum not in local_ranks.STOP_SIGNALS:
+            raise ValueError(f"the launcher forwards only {local_ranks.STOP_SIGNALS}, not {signum}")
+        self.launcher.send_signal(signum)
 
     def wait(self, timeout: float, on_poll: Callable[[LocalRun], None] | None = None) -> list[int]:
         """Wait for all ranks; stop the rest once one fails; kill everything on timeout."""
         deadline = time.monotonic() + timeout
         failed_at = None
         while time.monotonic() < deadline:
-            codes = [p.poll() for p in self.procs]
+            codes = self.poll()
             if all(c is not None for c in codes):
+                self.launcher.wait()  # it leaves right after recording the last rank
                 self.codes = codes
                 return codes
             if on_poll is not None:
@@ -95,11 +114,18 @@ class LocalRun:
         raise TimeoutError(f"ranks still running after {timeout}s; logs: {self.logs}")
 
     def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in self.procs:
-            p.wait()
+        """SIGKILL every running rank with its process group (its helpers: a checkpoint writer,
+        a data worker) and wait for the launcher, which reaps them; a launcher that has not
+        forked every rank yet is killed itself (the ranks it forked die with it)."""
+        pids = [local_ranks.read_number(local_ranks.pid_file(log)) for log in self.logs]
+        codes = self.poll()
+        if None in pids:
+            self.launcher.kill()
+        for pid, code in zip(pids, codes, strict=True):
+            if pid is not None and code is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+        self.launcher.wait()
 
 
 def launch(
@@ -112,17 +138,22 @@ def launch(
     memory_tiers: Sequence[Sequence[int]] | None = None,
     rank_env: Sequence[Mapping[str, str]] | None = None,
 ) -> LocalRun:
-    """Start `nproc` ranks of `entry` (default: the training CLI) with `args`; logs go to
-    log_dir/rank<i>.log. `memory_tiers`: per rank, the open descriptors of its in-memory
-    checkpoint slots, handed to it as a node task hands them (`contracts.restart`);
-    `rank_env`: per rank, more environment (a node name per rank: ranks on distinct nodes)."""
+    """Start `nproc` ranks of `entry` (`-m module`, `-c code` or a script, as `python` takes
+    them; default: the training CLI) with `args`, forked by one launcher process run by
+    `python` with `env`; logs go to log_dir/rank<i>.log. `memory_tiers`: per rank, the open
+    descriptors of its in-memory checkpoint slots, handed to it as a node task hands them
+    (`contracts.restart`); `rank_env`: per rank, more environment (a node name per rank: ranks
+    on distinct nodes), set after the import (a variable read on import is `env`'s)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs, logs = [], []
-    for rank in range(nproc):
-        process_env = {
-            **os.environ,
-            **(env or {}),
+    logs = [log_dir / f"rank{rank}.log" for rank in range(nproc)]
+    ranks = []
+    for rank, log in enumerate(logs):
+        log.write_text("")
+        local_ranks.pid_file(log).unlink(missing_ok=True)
+        local_ranks.exit_file(log).unlink(missing_ok=True)
+        fds = tuple(memory_tiers[rank]) if memory_tiers else ()
+        rank_vars = {
             **(rank_env[rank] if rank_env else {}),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -130,24 +161,24 @@ def launch(
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc),
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+            **(memory_tier_env(fds) if fds else {}),
         }
-        fds = tuple(memory_tiers[rank]) if memory_tiers else ()
-        if fds:
-            process_env.update(memory_tier_env(fds))
-        log = log_dir / f"rank{rank}.log"
-        with log.open("w") as fh:
-            procs.append(
-                subprocess.Popen(
-                    [python, *entry, *args],
-                    env=process_env,
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    cwd=_ROOT,
-                    pass_fds=fds,
-                )
-            )
-        logs.append(log)
-    return LocalRun(procs=procs, logs=logs)
+        ranks.append({"log": str(log.absolute()), "env": rank_vars})  # its cwd is _ROOT
+    launcher_env = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    plan = json.dumps({"entry": list(entry), "args": list(args), "ranks": ranks})
+    with logs[0].open("a") as out:  # what the import prints: rank 0's, as when it imported
+        launcher = subprocess.Popen(
+            [python, "-m", local_ranks.__name__, plan],
+            env=launcher_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=_ROOT,
+            pass_fds=[fd for fds in memory_tiers or () for fd in fds],
+        )
+    return LocalRun(launcher=launcher, logs=logs)

@@ -150,7 +150,7 @@ def _wait(run: LocalRun, left_s: float, budget_s: float) -> tuple[str, int, list
 
     def note_first_failure(r: LocalRun) -> None:
         if not first:
-            first.extend(i for i, p in enumerate(r.procs) if p.poll() not in (None, 0))
+            first.extend(i for i, c in enumerate(r.poll()) if c not in (None, 0))
 
     try:
         codes = run.wait(max(left_s, 1.0), on_poll=note_first_failure)

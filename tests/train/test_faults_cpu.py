@@ -58,11 +58,11 @@ def test_node_hang_stops_step_progress(run_train, tmp_path) -> None:
     try:
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline and not run.losses():
-            assert run.procs[0].poll() is None, run.logs[0].read_text()[-2000:]
+            assert run.poll()[0] is None, run.logs[0].read_text()[-2000:]
             time.sleep(0.2)
         assert list(run.losses()) == [1]
         time.sleep(3)
-        assert run.procs[0].poll() is None and list(run.losses()) == [1]
+        assert run.poll()[0] is None and list(run.losses()) == [1]
         assert any(e["event"] == "injected_hang" for e in run.events())
     finally:
         run.kill()
