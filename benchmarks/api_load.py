@@ -40,11 +40,11 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_runs.launch_local import free_port  # noqa: E402
 from supervisor import store  # noqa: E402
 from supervisor.api.examples import TINY_SPEC  # noqa: E402
 from supervisor.auth import Scope  # noqa: E402
 from supervisor.db import Database  # noqa: E402
+from worker.local_launch import free_port  # noqa: E402
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 SERVE = [sys.executable, "-m", "supervisor.cli", "serve", "--no-reconciler"]

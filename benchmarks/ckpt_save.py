@@ -25,7 +25,7 @@ of `--formats` (`dist_ckpt.FORMATS`; rows named `path:format`):
   before, and into pageable memory.
 
 Runs on CPU (gloo, fp32) and on GPU (NCCL, bf16). It starts its own ranks
-(megatron_runs.launch_local) unless it runs under torchrun:
+(worker.local_launch) unless it runs under torchrun:
 
     python benchmarks/ckpt_save.py --size 1.3b --nproc 4 --repeats 3 --out $OUT/ckpt_save.json
     python benchmarks/ckpt_save.py --size 125m --formats fully_sharded_model_space
@@ -86,7 +86,7 @@ def main() -> None:
     if "RANK" in os.environ:
         _rank_main(args)
         return
-    from megatron_runs.launch_local import launch
+    from worker.local_launch import launch
 
     shutil.rmtree(args.work, ignore_errors=True)
     result = args.work / "result.json"

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.train_gpu import SIZES, gpt  # noqa: E402
 from contracts import checkpoints  # noqa: E402
-from megatron_runs.launch_local import launch  # noqa: E402
+from worker.local_launch import launch  # noqa: E402
 
 
 def _launch(work: Path, spec: dict, ckpt: Path, nproc: int, name: str) -> dict:

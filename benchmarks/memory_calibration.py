@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from contracts.spec import RunSpec  # noqa: E402
-from megatron_runs.launch_local import launch  # noqa: E402
 from megatron_runs.schedule import H100_BF16_PEAK, flops_per_token  # noqa: E402
 from supervisor.layout import GB, memory_estimate  # noqa: E402
+from worker.local_launch import launch  # noqa: E402
 
 #: name → (tensor, pipeline, data, micro batch, distributed optimizer, sequence parallel,
 #: recompute)

@@ -35,13 +35,13 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contracts.spec import RunSpec
-from megatron_runs.launch_local import free_port
 from supervisor import store
 from supervisor.db import Database
 from supervisor.metrics_in import PrometheusSource
 from supervisor.models import RunState
 from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, Submission
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
+from worker.local_launch import free_port
 
 SPEC = {
     "name": "bench",

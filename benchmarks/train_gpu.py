@@ -1,6 +1,6 @@
 """GPU measurements of the training program (4 GPUs, NCCL, bf16); writes JSON results.
 
-Phases (each starts its own ranks through megatron_runs.launch_local):
+Phases (each starts its own ranks through worker.local_launch):
 * tpcheck: a ~110M GPT for 50 steps as TP2×PP2 and as TP1×DP4 from the same (CPU-initialised,
   layout-independent) weights: max |Δloss| per step, and the replica checksum result
   (replica_mismatch events; TP-replicated params and DP replicas compared every 10 steps);
@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from contracts.spec import RunSpec  # noqa: E402
-from megatron_runs.launch_local import launch  # noqa: E402
 from megatron_runs.schedule import H100_BF16_PEAK, flops_per_token  # noqa: E402
+from worker.local_launch import launch  # noqa: E402
 
 WARMUP = 5
 

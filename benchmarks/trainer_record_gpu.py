@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contracts import anomalies
 from contracts.checkpoints import read_save_timing
-from megatron_runs.launch_local import launch
+from worker.local_launch import launch
 
 GBS = 16
 NAN = (11 * GBS, 12 * GBS)  # step 12's samples

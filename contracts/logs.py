@@ -1,7 +1,8 @@
 """JSON-lines logging carrying run_id / attempt / job_id when the caller knows them.
 
 Pass context with `extra={"run_id": ..., "attempt": ..., "job_id": ...}`. Nothing here ever
-formats request headers, so bearer tokens cannot reach a log line.
+formats request headers, so bearer tokens cannot reach a log line. `log_events` reads the
+trainer's own JSON-lines events back from a rank's log.
 """
 
 from __future__ import annotations
@@ -62,3 +63,16 @@ def configure_logging(level: int = logging.INFO) -> None:
     root.setLevel(level)
     root.propagate = False
     logging.Formatter.converter = time.gmtime
+
+
+def log_events(text: str) -> list[dict]:
+    """The trainer's JSON-lines events (`{"event": ...}`) in a rank's log: other output and
+    torn lines skipped."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{") and '"event"' in line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

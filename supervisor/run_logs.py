@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contracts.logs import log_events
 from contracts.paths import attempt_log_dir
-from megatron_runs.launch_local import log_events
 from supervisor.metrics_in import LossPoint
 from supervisor.slurm import last_lines, read_from
 
@@ -91,7 +91,7 @@ def loss_points(
 
 
 def _step_points(text: str, attempt: int, event: str = "step") -> list[LossPoint]:
-    """The finite losses of global rank 0's `event` lines (`launch_local.log_events` parses
+    """The finite losses of global rank 0's `event` lines (`contracts.logs.log_events` parses
     them; every rank logs its `eval` lines, the same value)."""
     points = []
     for row in log_events(text):

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
+import logging
 import os
+import resource
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from contracts import exitcodes
 from worker.env import TaskInfo
@@ -85,6 +89,33 @@ def _prctl(option: int, arg: object) -> None:
         if ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) != 0:
             errno = ctypes.get_errno()
             raise OSError(errno, f"prctl({option}): {os.strerror(errno)}")
+
+
+def preload_module(name: str) -> None:
+    """Import the training program `name` (and what its `preload()` names) once, before the
+    fork, so that every rank shares it."""
+    preload = getattr(importlib.import_module(name), "preload", None)
+    if preload is not None:
+        preload()
+
+
+def leave(code: int) -> NoReturn:
+    """End this process (a node task, a rank) with `code` and without the interpreter's
+    teardown, as `python -m megatron_runs.train` does: a process group with a dead peer can
+    hang it, and a task that does not exit keeps its job RUNNING, so a rank's crash looked like
+    a hang of the whole job (sacct shows the code: FAILED 75:0 for a checkpointed preemption;
+    submitit's result pickle is not written, nothing reads it). A negative code is a rank
+    killed by that signal: the task dies by it too, so SLURM reports the kill as it did when
+    the rank was the task."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's action cannot be set
+            signal.signal(-code, signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the rank's crash, not a core of ours
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
 
 
 def _cuda_initialised() -> bool:

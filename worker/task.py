@@ -18,7 +18,6 @@ import functools
 import importlib
 import logging
 import os
-import resource
 import signal
 import sys
 import time
@@ -45,7 +44,7 @@ from worker.devices import missing_gpus
 from worker.env import TaskInfo, dist_env, rank_infos, task_info
 from worker.orders import OrderWatch
 from worker.priority import lowest_priority
-from worker.ranks import NODE_PROCESS_NAME, fork_ranks, name_process
+from worker.ranks import NODE_PROCESS_NAME, fork_ranks, leave, name_process, preload_module
 from worker.registration import Registrar
 
 log = logging.getLogger("nightwatch.worker")
@@ -93,7 +92,7 @@ class _EarlyStop:
     def _leave_now(self, signum: int, code: int) -> NoReturn:
         log.info("stop signal %d on a node that runs no ranks: leaving (exit %d)", signum, code,
                  extra=self._context)  # fmt: skip
-        _leave(code)
+        leave(code)
 
     def install(self) -> None:
         for sig in (signal.SIGUSR2, signal.SIGTERM):
@@ -169,9 +168,9 @@ class TrainingTask:
             log.error(missing, extra=self._context(ranks[0].job_id))
             for rank in ranks:
                 _record_exit(rank, exitcodes.NO_GPU)
-            _leave(exitcodes.NO_GPU)
+            leave(exitcodes.NO_GPU)
         if len(ranks) == 1 and not self.restart_wait_s:
-            _leave(self._rank(ranks[0], early))
+            leave(self._rank(ranks[0], early))
         code = 1
         try:
             # a node that runs no ranks yet imports with what CPU training leaves idle
@@ -184,14 +183,14 @@ class TrainingTask:
                 leaving,
                 lowest_priority(idle, context, needed=self._needed(info) if idle else None),
             ):
-                _preload(self.entry)
+                preload_module(self.entry)
             name_process(NODE_PROCESS_NAME)
             code = self._node(info, early)
         except BaseException:
             traceback.print_exc()  # the node task itself failed: every rank counts as failed
             for rank in ranks:
                 _record_exit(rank, code)
-        _leave(code)
+        leave(code)
 
     def _node(self, info: TaskInfo, early: _EarlyStop) -> int:
         """Run this attempt's ranks on the node, then each attempt the supervisor orders into
@@ -216,7 +215,7 @@ class TrainingTask:
                 code = fork_ranks(
                     ranks,
                     functools.partial(task._rank, early=early, tiers=tiers),
-                    _leave,
+                    leave,
                     interrupt=watch.newer if watch else None,
                     on_ended=_record_unrecorded_exit if watch else None,
                 )
@@ -417,33 +416,6 @@ class TrainingTask:
         code = int(getattr(result, "exit_code", 0) or 0)
         log.info("task end exit_code=%d", code, extra=context)
         return code
-
-
-def _leave(code: int) -> NoReturn:
-    """Exit with the task's code (sacct shows it: FAILED 75:0 for a checkpointed preemption)
-    and without the interpreter's teardown, as `python -m megatron_runs.train` does: a
-    process group with a dead peer can hang it, and a task that does not exit keeps its job
-    RUNNING, so a rank's crash looked like a hang of the whole job. submitit's result pickle
-    is not written; nothing reads it (the supervisor reads SLURM and the exit-code files).
-    A negative code is a rank killed by that signal: the task dies by it too, so SLURM reports
-    the kill as it did when the rank was the task."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code < 0:
-        with contextlib.suppress(OSError, ValueError):  # SIGKILL's action cannot be set
-            signal.signal(-code, signal.SIG_DFL)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the rank's crash, not a core of ours
-        os.kill(os.getpid(), -code)
-    os._exit(code if code >= 0 else 128 - code)
-
-
-def _preload(entry: str) -> None:
-    """Import the training program (and what its `preload()` names) once, before the fork."""
-    module = importlib.import_module(entry)
-    preload = getattr(module, "preload", None)
-    if preload is not None:
-        preload()
 
 
 def _memory_tiers(ranks_per_node: int) -> dict[int, tuple[int, ...]]:

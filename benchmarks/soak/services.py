@@ -19,10 +19,10 @@ from pathlib import Path
 
 import psycopg
 
-from megatron_runs.launch_local import free_port
 from supervisor import store
 from supervisor.auth import Scope
 from supervisor.db import Database
+from worker.local_launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEVCLUSTER = REPO / "scripts" / "devcluster"

@@ -142,7 +142,6 @@ def demo(
     """Run a tiny CPU training with a poisoned data window and watch the watchdog cure it."""
     from contracts.logs import JsonFormatter
     from contracts.spec import RunSpec
-    from megatron_runs.launch_local import free_port
     from supervisor import store
     from supervisor.api.app import create_app
     from supervisor.api.routes.report import report_data
@@ -152,6 +151,7 @@ def demo(
     from supervisor.settings import Settings
     from supervisor.slurm import LocalCluster
     from supervisor.watchdog.reconciler import build_reconciler
+    from worker.local_launch import free_port
 
     warnings.filterwarnings("ignore")  # Megatron's optional-dependency notices are noise here
     home = (home or Path(tempfile.mkdtemp(prefix="nightwatch-demo-"))).resolve()

@@ -1,5 +1,5 @@
 """Run a smoke plan on this host: the ranks of `python -m megatron_runs.train` started by
-`megatron_runs.launch_local`, in a temporary folder, under one deadline for all phases.
+`worker.local_launch`, in a temporary folder, under one deadline for all phases.
 
 The verdict names the first rank that failed and ends with its traceback (the others, killed
 or failing in a collective after it, only repeat the symptom).
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from contracts.paths import nightwatch_home
-from megatron_runs.launch_local import LocalRun, launch
 from supervisor.smoke.plan import PHASES, SmokePlan, error_tail, phase_problems
+from worker.local_launch import LocalRun, launch
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -145,7 +145,7 @@ def _run_phases(
 
 def _wait(run: LocalRun, left_s: float, budget_s: float) -> tuple[str, int, list[str]] | None:
     """None when every rank exited 0 within `left_s`; else (error line, rank, its log's
-    tail), naming the first rank seen to fail (launch_local stops the rest 2 s later)."""
+    tail), naming the first rank seen to fail (the local launcher stops the rest 2 s later)."""
     first: list[int] = []
 
     def note_first_failure(r: LocalRun) -> None:

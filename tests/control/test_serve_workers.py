@@ -19,12 +19,12 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from megatron_runs.launch_local import free_port
 from supervisor import store
 from supervisor.api import workers_mode
 from supervisor.api.examples import TINY_SPEC
 from supervisor.auth import Scope
 from supervisor.db import Database
+from worker.local_launch import free_port
 
 from .test_idempotency_live import RETRIES, _burst
 

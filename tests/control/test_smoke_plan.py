@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from contracts.logs import log_events as events
 from contracts.spec import RunSpec
-from megatron_runs.launch_local import log_events as events
 from supervisor.layout import layout_report
 from supervisor.smoke.plan import (
     DEMO_VOCAB,

@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from megatron_runs.launch_local import free_port
 from supervisor.db import Database
 from supervisor.slurm import SlurmCluster
+from worker.local_launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEVCLUSTER = REPO / "scripts" / "devcluster"

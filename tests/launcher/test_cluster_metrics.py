@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from megatron_runs.launch_local import free_port
 from supervisor import launcher
 from supervisor.slurm import JobState, wait_for
+from worker.local_launch import free_port
 
 from .cluster_helpers import wait_until
 from .conftest import REPO, devcluster

@@ -174,7 +174,7 @@ def test_the_node_task_leaves_as_its_rank_did(code: int) -> None:
 
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "-c", f"from worker.task import _leave; _leave({code})"],
+        [sys.executable, "-c", f"from worker.ranks import leave; leave({code})"],
         cwd=repo, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == code, done.stderr

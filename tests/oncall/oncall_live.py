@@ -28,8 +28,8 @@ import httpx
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from megatron_runs.launch_local import free_port
 from megatron_runs.metrics import StepReport, TrainMetrics
+from worker.local_launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = REPO / "dashboards" / "prometheus"

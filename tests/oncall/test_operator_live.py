@@ -28,11 +28,11 @@ import pytest
 import yaml
 from oncall_live import free_port, wait_for
 
-from megatron_runs.launch_local import launch
 from supervisor import store
 from supervisor.auth import Scope
 from supervisor.db import Database
 from supervisor.run_logs import loss_points
+from worker.local_launch import launch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]

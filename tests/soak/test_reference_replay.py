@@ -22,7 +22,7 @@ from benchmarks.chaos_soak import Mode, soak_spec
 from benchmarks.soak.progress import parse_lines
 from benchmarks.soak.reference import compare_losses, plan
 from megatron_runs.data_prep import prepare
-from megatron_runs.launch_local import launch
+from worker.local_launch import launch
 
 pytestmark = [pytest.mark.slow]
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from train_helpers import VOCAB
 
-from megatron_runs.launch_local import LocalRun, launch
+from worker.local_launch import LocalRun, launch
 
 REPO = Path(__file__).resolve().parents[2]
 

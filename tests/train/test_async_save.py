@@ -18,7 +18,7 @@ import pytest
 from train_helpers import spec_dict
 
 from contracts import checkpoints, exitcodes
-from megatron_runs.launch_local import LocalRun
+from worker.local_launch import LocalRun
 
 pytestmark = pytest.mark.timeout(600)
 

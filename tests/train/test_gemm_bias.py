@@ -63,7 +63,7 @@ print(json.dumps(out))
 
 
 def test_gemm_bias_projections_compute_the_same_model() -> None:
-    from megatron_runs.launch_local import free_port
+    from worker.local_launch import free_port
 
     spec = spec_dict("gemm-bias", tp=1, pp=1, layers=2)
     proc = subprocess.run(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from train_helpers import spec_dict
 
-from megatron_runs.launch_local import LocalRun
+from worker.local_launch import LocalRun
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -1,6 +1,7 @@
-"""`launch_local` forks its ranks from one launcher process (`megatron_runs.local_ranks`): each
-rank in its own session with its environment and log, exit codes as Popen reports them, stop
-signals forwarded, a kill reaching each rank's helpers. Stand-ins for the trainer (`-c`), no
+"""`local_launch.launch` forks its ranks from one launcher process (`worker.local_ranks`, a
+node task's fork): each rank in its own session with its environment, log and rank name, exit
+codes as Popen reports them, stop signals forwarded (one during the import too), a kill
+reaching each rank's helpers. Stand-ins for the trainer (`-c`), no
 torch: the training tests train through the same launcher."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_runs.launch_local import LocalRun, launch
+from worker.local_launch import LocalRun, launch
 
 # Rank 0 succeeds, rank 1 exits 3, rank 2 is killed by SIGKILL, rank 3 raises.
 _REPORT = (
@@ -22,6 +23,7 @@ _REPORT = (
     "import json, os, sys\n"
     "fd = int(os.environ['NIGHTWATCH_MEMORY_TIER_FDS'])\n"
     "print(json.dumps({'pid': os.getpid(), 'ppid': os.getppid(), 'sid': os.getsid(0),\n"
+    "    'comm': open('/proc/self/comm').read().strip(),\n"
     "    'argv': sys.argv, 'tier_open': os.path.exists(f'/proc/self/fd/{fd}'),\n"
     "    'env': {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE',\n"
     "            'MASTER_PORT', 'NODE', 'SHARED', 'NIGHTWATCH_MEMORY_TIER_FDS')}}))\n"
@@ -56,6 +58,15 @@ if __name__ == "__main__":
                       "argv": sys.argv[1:]}))
 """
 
+# A `-m` entry whose preload takes a while: a stop signal can come during it.
+_SLOW_IMPORT = """import time
+def preload():
+    print("importing", flush=True)
+    time.sleep(1)
+if __name__ == "__main__":
+    print("trained", flush=True)
+"""
+
 
 def _until(run: LocalRun, done, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
@@ -86,6 +97,7 @@ def test_ranks_are_forked_by_one_launcher_with_their_own_environment_and_log(
     reports = [json.loads(log.read_text().splitlines()[0]) for log in run.logs]
     assert {r["ppid"] for r in reports} == {run.launcher.pid}
     assert all(r["sid"] == r["pid"] for r in reports)  # a killpg of a rank stops its helpers
+    assert [r["comm"] for r in reports] == [f"nw-rank{rank}" for rank in range(4)]
     assert [int(log.with_suffix(".pid").read_text()) for log in run.logs] == [
         r["pid"] for r in reports
     ]
@@ -118,6 +130,18 @@ def test_a_stop_signal_reaches_every_rank_through_the_launcher(tmp_path: Path) -
     _until(run, lambda: all("ready" in log.read_text() for log in run.logs))
     run.signal(signal.SIGTERM)
     assert run.wait(30) == [75, -signal.SIGTERM]
+
+
+def test_a_stop_signal_during_the_import_reaches_every_rank_once_forked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "nw_stub_slow.py").write_text(_SLOW_IMPORT)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    run = launch([], 2, tmp_path / "logs", entry=("-m", "nw_stub_slow"))
+    _until(run, lambda: "importing" in run.logs[0].read_text())
+    run.signal(signal.SIGTERM)
+    assert run.wait(30) == [-signal.SIGTERM] * 2
+    assert "trained" not in run.logs[0].read_text() + run.logs[1].read_text()
 
 
 def test_a_kill_stops_every_rank_and_its_helpers(tmp_path: Path) -> None:

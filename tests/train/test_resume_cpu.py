@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from train_helpers import spec_dict
 
 from contracts import checkpoints, exitcodes
-from megatron_runs.launch_local import LocalRun
+from worker.local_launch import LocalRun
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -68,8 +68,8 @@ def _plan():
     return shrink(RunSpec.from_file(EXAMPLES / "tiny-cpu.yaml"))
 
 
-# Stand-ins for the trainer (launch_local runs `python <entry> <trainer flags>`): rank 1 fails,
-# the others wait in what would be a collective; or every rank hangs.
+# Stand-ins for the trainer (`worker.local_launch` runs `python <entry> <trainer flags>`):
+# rank 1 fails, the others wait in what would be a collective; or every rank hangs.
 _RANK1_FAILS = ("-c", "import os, time\nif os.environ['RANK'] == '1': raise RuntimeError('boom')\n"
                 "time.sleep(120)")  # fmt: skip
 _HANGS = ("-c", "import time; print('stuck in init'); time.sleep(120)")

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from megatron_runs.launch_local import free_port
+from worker.local_launch import free_port
 
 PROMETHEUS = "/usr/bin/prometheus"
 LABELS = ("run_id", "attempt", "node")

@@ -3,9 +3,9 @@
 Like torchrun without its agent: each rank gets the torch.distributed environment, its own
 log file, and when one rank exits non-zero the others are stopped (they would otherwise wait
 forever in a collective), as SLURM does with a job step whose task failed. The ranks are
-forked by one launcher process that imported the training program once, as a node task forks
-them (`megatron_runs.local_ranks`): each rank importing torch and megatron-core on its own
-cost ≈ 8 s of wall time per launch of 4 ranks on a 2-core machine.
+forked by one launcher process that imported the training program once, with a node task's
+own fork (`worker.local_ranks`): each rank importing torch and megatron-core on its own cost
+≈ 8 s of wall time per launch of 4 ranks on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contracts.logs import log_events
 from contracts.restart import memory_tier_env
-from megatron_runs import local_ranks
+from worker import local_ranks
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,18 +49,6 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port in 20000-32000")
-
-
-def log_events(text: str) -> list[dict]:
-    """The trainer's JSON-lines events in a rank's log (other output, torn lines skipped)."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{") and '"event"' in line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
 
 
 @dataclass
