@@ -81,6 +81,7 @@ def main() -> int:
     def batches():
         # Seeded alike for every model chunk: each chunk's iterator yields the same samples.
         gen = torch.Generator(device="cpu").manual_seed(ps.get_data_parallel_rank())
+        drawn = 0  # the loss function reports each sample's loss by its number
         while True:
             tok = torch.randint(
                 0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen
@@ -92,8 +93,9 @@ def main() -> int:
                 position_ids=torch.arange(m.seq_length, device=device).expand(
                     t.micro_batch_size, -1
                 ),
-                indices=[],
+                indices=list(range(drawn, drawn + t.micro_batch_size)),
             )
+            drawn += t.micro_batch_size
 
     it = [batches() for _ in model] if len(model) > 1 else batches()
     fwd_bwd = get_forward_backward_func()
