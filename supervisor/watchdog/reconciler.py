@@ -485,7 +485,9 @@ class Reconciler:
             self._verdict_due = min(due, self._verdict_due or due)
         self._prepare_successor(run, attempt, spec, snap)
         if not findings:
-            if job_running and job.state is AttemptState.RUNNING and spec.resources.spare_nodes:
+            # once a successor is prepared the job stops soon: its reserves are strays then
+            refill = spec.resources.spare_nodes and (run.id, attempt.number) not in self._successors
+            if refill and job_running and job.state is AttemptState.RUNNING:
                 self._refill_spares(run, attempt, spec, job_nodes, job.nodes, reserves, world, now)
             return Outcome()
         result.findings[run.id] = findings

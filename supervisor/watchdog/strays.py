@@ -4,7 +4,10 @@ Whatever was in flight when a supervisor died (an sbatch whose job id was never 
 remedy cut between its cancel and its resubmission, a deposed replica's late submit), every
 tick compares the jobs SLURM lists under Nightwatch's names with the runs' state: a run that
 ended has no live job, an attempt that was superseded has none, an attempt has one job, and a
-reserve job (spares for a running job) lives only while the job it reserves for is current.
+reserve job (spares for a running job) lives only while the job it reserves for is current and
+no successor is prepared for it: a job that stops soon needs no more spares (its successor
+takes over a node fault too), and on a full cluster the reserve's nodes are the ones the
+successor waits for.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
     recorded yet keeps the job its submission will adopt by name; a job named after an earlier
     attempt is the current attempt's when that attempt was started inside it."""
     out = []
+    successors = _successors(live, runs)
     for job_id, name in sorted(live.items()):
         reserve = parse_reserve_name(name)
         if reserve is not None and reserve[0] in runs:
@@ -53,6 +57,10 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
                 out.append(Stray(reserve[0], run.current_attempt, job_id, why))
             elif reserve[1] not in live:
                 why = f"reserve for job {reserve[1]}, which SLURM no longer runs"
+                out.append(Stray(reserve[0], run.current_attempt, job_id, why))
+            elif reserve[0] in successors:
+                successor = successors[reserve[0]]
+                why = f"reserve for job {reserve[1]}, whose successor {successor} is prepared"
                 out.append(Stray(reserve[0], run.current_attempt, job_id, why))
             continue
         parsed = parse_job_name(name)
@@ -71,6 +79,20 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
         else:
             continue
         out.append(Stray(run_id, attempt, job_id, reason))
+    return out
+
+
+def _successors(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> dict[str, str]:
+    """Run → the live job named after its next attempt (a successor prepared while the
+    current attempt runs on: `Actuator.prepare_successor`), for the runs that go on."""
+    out = {}
+    for job_id, name in sorted(live.items()):
+        parsed = parse_job_name(name)
+        if parsed is None or parsed[0] not in runs:
+            continue
+        run = runs[parsed[0]]
+        if not run.state.terminal and parsed[1] == run.current_attempt + 1:
+            out[parsed[0]] = job_id
     return out
 
 

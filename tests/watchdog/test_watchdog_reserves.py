@@ -169,6 +169,31 @@ def test_reserves_of_a_job_the_run_left_are_cancelled(db: Database, tmp_path: Pa
     assert "reserve for job" in cancel.evidence_json["reason"]
 
 
+def test_a_stopping_jobs_reserve_makes_way_for_its_successor(
+    db: Database, tmp_path: Path
+) -> None:
+    """The ranks stop on a signal: the successor is prepared, the reserve (whose node the
+    successor may be waiting for) is cancelled as a stray in the same tick, recorded with
+    its reason, and no new reserve refills the spares of a job that stops."""
+    w = Swapped(db, tmp_path)
+    w.rec.tick()
+    reserve_id = w.cluster.submitted[-1][0]
+    w.cluster.set(reserve_id, JobState.RUNNING)
+    w.rec.tick()
+    anomalies.append(w.ckpt, anomalies.Anomaly(2, 80, anomalies.STOP_SIGNAL, t=time.time()))
+    w.rec.tick()
+    successor, request = w.cluster.submitted[-1]
+    assert request.job_name == f"nw-{w.run_id}-a3" and w.cluster.tasks[successor].standby
+    assert w.cluster.cancelled == [reserve_id]
+    (cancel,) = [a for a in _all_actions(db, w.run_id) if a.kind == "cancel"]
+    reason = f"reserve for job {w.job}, whose successor {successor} is prepared"
+    assert (cancel.target, cancel.evidence_json["reason"]) == (reserve_id, reason)
+    w.cluster.set(reserve_id, JobState.CANCELLED)
+    w.rec.tick()
+    w.rec.tick()
+    assert len(w.cluster.submitted) == 3 and len(reserve_actions(db, w.run_id)) == 1
+
+
 def _all_actions(db: Database, run_id: str) -> list[Action]:
     with db.session() as s:
         return list(s.scalars(select(Action).where(Action.run_id == run_id)))
@@ -192,6 +217,18 @@ def test_find_strays_judges_reserves_by_the_job_they_reserve_for() -> None:
     # the job SLURM no longer runs (cancelled by an escalation, the run left as it was)
     del live["100"]
     assert {s.job_id for s in find_strays(live, runs)} == {"101", "102", "201"}
+
+
+def test_a_reserve_is_a_stray_once_its_jobs_successor_is_prepared() -> None:
+    """A job that stops soon (a walltime near, a stop signal) needs no more spares: its
+    successor takes over, and on a full cluster it waits for the reserve's nodes."""
+    runs = {"r1": RunJobs(RunState.RUNNING, 2, "100")}
+    live = {"100": "nw-r1-a2", "101": "nw-r1-j100-r1", "111": "nw-r1-a4"}
+    assert find_strays(live, runs) == []  # a job named after a later attempt is no successor
+    live["110"] = "nw-r1-a3"  # attempt 3's standby job, prepared while attempt 2 runs
+    assert [(s.job_id, s.reason) for s in find_strays(live, runs)] == [
+        ("101", "reserve for job 100, whose successor 110 is prepared"),
+    ]
 
 
 @pytest.mark.parametrize("cut", ["before_submit", "after_submit"])
