@@ -118,9 +118,7 @@ class ScrapeSource:
             )
             return None, time.monotonic() - started
 
-    def scrape_round(
-        self, keys: Sequence[RunKey], probe: Collection[RunKey] = ()
-    ) -> ScrapeRound:
+    def scrape_round(self, keys: Sequence[RunKey], probe: Collection[RunKey] = ()) -> ScrapeRound:
         """Scrape every registered endpoint of `keys` once (in parallel), those of the `probe`
         attempts with PROBE_TIMEOUT_S."""
         wanted = set(keys)

@@ -30,7 +30,9 @@ def test_base_dependencies_hold_nothing_training_only() -> None:
 
 
 def test_cli_server_and_watchdog_run_without_training_packages(tmp_path: Path) -> None:
-    code = BLOCKED + f"""
+    code = (
+        BLOCKED
+        + f"""
 from pathlib import Path
 from typer.testing import CliRunner
 from supervisor.api.app import create_app
@@ -47,6 +49,7 @@ result = CliRunner().invoke(app, ["validate", {str(REPO / "examples" / "tiny-cpu
 assert result.exit_code == 0, result.output
 print("ok")
 """
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, timeout=120, check=False)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -210,7 +210,8 @@ def test_a_fired_alert_reaches_the_webhook(tmp_path: Path) -> None:
     assert alert["status"] == "firing" and alert["labels"]["severity"] == "page"
     assert alert["annotations"]["runbook"] == "docs/runbooks/NightwatchRunNeedsAttention.md"
     assert alert["annotations"]["dashboard"] == (
-        "/d/nightwatch-run/nightwatch-run?var-run_id=r-escalated")
+        "/d/nightwatch-run/nightwatch-run?var-run_id=r-escalated"
+    )
 
 
 def _escalations(notification: dict[str, Any]) -> list[dict[str, Any]]:

@@ -66,7 +66,8 @@ def test_services_and_wiring() -> None:
     assert prom_mounts["/etc/prometheus/secrets"]["source"] == "prometheus-secrets"
     # Alertmanager: its file rendered by the one-shot, and Prometheus sends to it
     assert "nightwatch alertmanager-config --out /config/alertmanager.yml" in " ".join(
-        services["alertmanager-config"]["command"])
+        services["alertmanager-config"]["command"]
+    )
     am_mounts = {v["target"]: v["source"] for v in _volumes(services["alertmanager"])}
     assert am_mounts["/etc/alertmanager"] == "alertmanager-config"
     assert "alertmanager" in services["prometheus"]["depends_on"]

@@ -169,9 +169,7 @@ def test_reserves_of_a_job_the_run_left_are_cancelled(db: Database, tmp_path: Pa
     assert "reserve for job" in cancel.evidence_json["reason"]
 
 
-def test_a_stopping_jobs_reserve_makes_way_for_its_successor(
-    db: Database, tmp_path: Path
-) -> None:
+def test_a_stopping_jobs_reserve_makes_way_for_its_successor(db: Database, tmp_path: Path) -> None:
     """The ranks stop on a signal: the successor is prepared, the reserve (whose node the
     successor may be waiting for) is cancelled as a stray in the same tick, recorded with
     its reason, and no new reserve refills the spares of a job that stops."""
