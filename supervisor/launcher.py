@@ -175,6 +175,8 @@ def job_request(plan: SubmitPlan) -> JobRequest:
         else job_name(plan.run_id, plan.attempt),
         log_dir=plan.log_dir,
         nodes=reserve.count if reserve else res.nodes + res.spare_nodes,
+        # spares are taken where free: a job starts once its own nodes are (reserves refill)
+        min_nodes=res.nodes if res.spare_nodes and not reserve else None,
         tasks_per_node=1,
         ranks_per_task=res.gpus_per_node,
         cpus_per_task=res.cpus_per_task * res.gpus_per_node,

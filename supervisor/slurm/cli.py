@@ -260,6 +260,14 @@ def sbatch_parameters(request: JobRequest) -> dict[str, object]:
     additional: dict[str, object] = {"requeue" if request.requeue else "no-requeue": True}
     if request.no_kill:
         additional["no-kill"] = True
+    # A node range: as many nodes as are free, at least the minimum. A stated task count per
+    # node makes SLURM size the job to the minimum, so a range goes without it (one task per
+    # node is SLURM's default); submitit counts the job's tasks from `nodes`, sbatch reads the
+    # range.
+    ranged = request.min_nodes is not None and request.min_nodes < request.nodes
+    ranged = ranged and request.tasks_per_node == 1
+    if ranged:
+        additional["nodes"] = f"{request.min_nodes}-{request.nodes}"
     params: dict[str, object] = {
         "job_name": _checked(check_job_name, request.job_name),
         "nodes": request.nodes,
@@ -270,6 +278,8 @@ def sbatch_parameters(request: JobRequest) -> dict[str, object]:
         "stderr_to_stdout": True,
         "additional_parameters": additional,
     }
+    if ranged:
+        del params["ntasks_per_node"]
     if request.no_kill:
         params["srun_args"] = ["--no-kill"]
     if request.gpus_per_node:

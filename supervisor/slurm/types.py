@@ -194,6 +194,9 @@ class JobRequest:
     #: The job (and its step) outlives a failed node (`--no-kill`): a job holding spares moves
     #: a dead node's ranks to one inside the allocation, which SLURM's default kill would end.
     no_kill: bool = False
+    #: Fewer nodes the job may start on (`--nodes=<min>-<nodes>`): SLURM gives it as many as
+    #: are free then, at least this many. A job's spares must not hold its start back.
+    min_nodes: int | None = None
     #: Ranks each task forks (`worker.ranks`): not SLURM's concern, but a job's exit codes
     #: are recorded per rank, and the local executor counts them.
     ranks_per_task: int = 1

@@ -28,6 +28,13 @@ def wait_until(
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def all_nodes_idle(slurm: SlurmCluster, timeout_s: float = 60) -> None:
+    """Before a job with spares, which starts on as many of its nodes as are free
+    (`--nodes=<min>-<max>`): the last test's job may still be leaving a node."""
+    idle = lambda: all(n.idle for n in slurm.nodes().values())  # noqa: E731
+    wait_until("every node idle", idle, timeout_s)
+
+
 def latest(ckpt: Path) -> int:
     marker = ckpt / "latest"
     return int(marker.read_text()) if marker.exists() else 0

@@ -20,7 +20,7 @@ from contracts.restart import (
 from supervisor import launcher
 from supervisor.slurm import JobState, NodeState, tail, wait_for
 
-from .cluster_helpers import latest, wait_until
+from .cluster_helpers import all_nodes_idle, latest, wait_until
 from .conftest import devcluster
 
 pytestmark = pytest.mark.integration
@@ -111,6 +111,7 @@ def test_a_spare_node_takes_a_bad_nodes_place_inside_the_job(slurm, tmp_path, to
     resources = spec.resources.model_copy(update={"spare_nodes": 1})
     spec = spec.model_copy(update={"resources": resources})
     plan = _plan(toy_plan, tmp_path, spec)
+    all_nodes_idle(slurm)
     job = launcher.submit(slurm, plan).job_id
     running = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60)
     first, bad, spare = running.nodes
@@ -129,6 +130,24 @@ def test_a_spare_node_takes_a_bad_nodes_place_inside_the_job(slurm, tmp_path, to
     assert latest(plan.checkpoint_dir) == 16
 
 
+def test_spares_do_not_hold_a_job_back(slurm, tmp_path, toy_spec, toy_plan):
+    """Two nodes and two spares on the three-node cluster: the job starts at once on the three
+    (`--nodes=2-4`), the third a spare that runs no rank, and trains to the end."""
+    spec = _spec(toy_spec, "injob-short-of-spares")
+    resources = spec.resources.model_copy(update={"spare_nodes": 2})
+    spec = spec.model_copy(update={"resources": resources})
+    plan = _plan(toy_plan, tmp_path, spec)
+    all_nodes_idle(slurm)
+    job = launcher.submit(slurm, plan).job_id
+    running = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60)
+    assert len(running.nodes) == 3, running
+    done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
+    assert done.state is JobState.COMPLETED, done
+    assert latest(plan.checkpoint_dir) == 16
+    text = "".join(tail(p) for p in (plan.log_dir / job).glob(f"{job}_*_log.out"))
+    assert f"on {running.nodes[2]}" not in text  # the spare ran no rank
+
+
 def test_a_spare_takes_a_dead_nodes_place_and_the_job_lives_on(
     slurm, cluster_dir, tmp_path, toy_spec, toy_plan
 ):
@@ -139,6 +158,7 @@ def test_a_spare_takes_a_dead_nodes_place_and_the_job_lives_on(
     resources = spec.resources.model_copy(update={"spare_nodes": 1})
     spec = spec.model_copy(update={"resources": resources})
     plan = _plan(toy_plan, tmp_path, spec)
+    all_nodes_idle(slurm)
     job = launcher.submit(slurm, plan).job_id
     first, dead, spare = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60).nodes
     wait_until("step 4 saved", lambda: latest(plan.checkpoint_dir) >= 4, 90)

@@ -68,6 +68,7 @@ def test_a_job_with_spares_outlives_a_failed_node(plan):
     spared = replace(plan, spec=plan.spec.model_copy(update={"resources": resources}))
     req = launcher.job_request(spared)
     assert (req.nodes, req.no_kill) == (3, True)
+    assert (launcher.job_request(plan).min_nodes, req.min_nodes) == (None, 2)  # spares optional
 
 
 def test_a_gpu_spec_asks_for_its_gpus_whatever_host_the_supervisor_runs_on(plan):

@@ -263,6 +263,19 @@ def test_sbatch_parameters():
     assert spared["srun_args"] == ["--no-kill"]  # the step, too, goes on without the node
 
 
+def test_a_job_with_spares_may_start_on_its_own_nodes_alone():
+    """`--nodes=2-4`: SLURM starts it once two nodes are free, with as many more as are free
+    then; submitit still counts its tasks from the largest size. No `--ntasks-per-node`: with
+    it SLURM sizes the job to the range's minimum (one task per node is its default)."""
+    request = JobRequest("j", Path("/tmp"), 4, 1, no_kill=True, min_nodes=2)
+    params = sbatch_parameters(request)
+    assert params["nodes"] == 4 and params["additional_parameters"]["nodes"] == "2-4"
+    script = render_sbatch(request)
+    assert "#SBATCH --nodes=2-4" in script.splitlines() and "--ntasks" not in script
+    fixed = sbatch_parameters(JobRequest("j", Path("/tmp"), 2, 1, min_nodes=2))
+    assert "nodes" not in fixed["additional_parameters"]
+
+
 def test_rendered_batch_script_is_what_sbatch_gets():
     request = JobRequest(
         job_name="nw-r-a1",
