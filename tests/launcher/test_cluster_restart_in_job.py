@@ -36,6 +36,17 @@ def _plan(toy_plan, tmp_path: Path, spec, **env: str):
     return toy_plan(tmp_path, spec, toy_env=env, run_dir=tmp_path / "run")
 
 
+def _with_spares(slurm, toy_spec, toy_plan, tmp_path: Path, name: str, spares: int):
+    """A job of two nodes and `spares` spares, submitted once every node is idle (a job with
+    spares starts on as many as are free); its plan, id and status once RUNNING."""
+    spec = _spec(toy_spec, name)
+    resources = spec.resources.model_copy(update={"spare_nodes": spares})
+    plan = _plan(toy_plan, tmp_path, spec.model_copy(update={"resources": resources}))
+    all_nodes_idle(slurm)
+    job = launcher.submit(slurm, plan).job_id
+    return plan, job, wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60)
+
+
 def _exits(folder: Path, job_id: str) -> list[tuple[int, int]]:
     return read_exit_codes(folder / job_id, job_id)
 
@@ -107,13 +118,7 @@ def test_without_an_order_the_job_ends_with_the_ranks_failure(slurm, tmp_path, t
 
 
 def test_a_spare_node_takes_a_bad_nodes_place_inside_the_job(slurm, tmp_path, toy_spec, toy_plan):
-    spec = _spec(toy_spec, "injob-spare")
-    resources = spec.resources.model_copy(update={"spare_nodes": 1})
-    spec = spec.model_copy(update={"resources": resources})
-    plan = _plan(toy_plan, tmp_path, spec)
-    all_nodes_idle(slurm)
-    job = launcher.submit(slurm, plan).job_id
-    running = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60)
+    plan, job, running = _with_spares(slurm, toy_spec, toy_plan, tmp_path, "injob-spare", 1)
     first, bad, spare = running.nodes
     wait_until("step 4 saved", lambda: latest(plan.checkpoint_dir) >= 4, 90)
     text = "".join(tail(p) for p in (plan.log_dir / job).glob(f"{job}_*_log.out"))
@@ -133,13 +138,7 @@ def test_a_spare_node_takes_a_bad_nodes_place_inside_the_job(slurm, tmp_path, to
 def test_spares_do_not_hold_a_job_back(slurm, tmp_path, toy_spec, toy_plan):
     """Two nodes and two spares on the three-node cluster: the job starts at once on the three
     (`--nodes=2-4`), the third a spare that runs no rank, and trains to the end."""
-    spec = _spec(toy_spec, "injob-short-of-spares")
-    resources = spec.resources.model_copy(update={"spare_nodes": 2})
-    spec = spec.model_copy(update={"resources": resources})
-    plan = _plan(toy_plan, tmp_path, spec)
-    all_nodes_idle(slurm)
-    job = launcher.submit(slurm, plan).job_id
-    running = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60)
+    plan, job, running = _with_spares(slurm, toy_spec, toy_plan, tmp_path, "injob-short", 2)
     assert len(running.nodes) == 3, running
     done = wait_for(slurm, job, lambda s: s.state.terminal, timeout_s=90)
     assert done.state is JobState.COMPLETED, done
@@ -154,13 +153,8 @@ def test_a_spare_takes_a_dead_nodes_place_and_the_job_lives_on(
     """A job holding a spare is submitted `--no-kill`: when a node dies (its host frozen,
     then set DOWN by SLURM) the job and its step go on, and an order moves the dead node's
     ranks to the spare. SLURM's default would have ended the job on the node's failure."""
-    spec = _spec(toy_spec, "injob-dead")
-    resources = spec.resources.model_copy(update={"spare_nodes": 1})
-    spec = spec.model_copy(update={"resources": resources})
-    plan = _plan(toy_plan, tmp_path, spec)
-    all_nodes_idle(slurm)
-    job = launcher.submit(slurm, plan).job_id
-    first, dead, spare = wait_for(slurm, job, lambda s: s.state is JobState.RUNNING, 60).nodes
+    plan, job, running = _with_spares(slurm, toy_spec, toy_plan, tmp_path, "injob-dead", 1)
+    first, dead, spare = running.nodes
     wait_until("step 4 saved", lambda: latest(plan.checkpoint_dir) >= 4, 90)
     assert devcluster("kill-node", dead, cluster_dir=cluster_dir).returncode == 0
     try:
