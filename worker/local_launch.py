@@ -26,6 +26,7 @@ from pathlib import Path
 from contracts.logs import log_events
 from contracts.restart import memory_tier_env
 from worker import local_ranks
+from worker.ranks import PEER_GRACE_S
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +84,8 @@ class LocalRun:
         self.launcher.send_signal(signum)
 
     def wait(self, timeout: float, on_poll: Callable[[LocalRun], None] | None = None) -> list[int]:
-        """Wait for all ranks; stop the rest once one fails; kill everything on timeout."""
+        """Wait for all ranks; stop the rest (with their helpers) `PEER_GRACE_S` after one
+        fails, as on a node; kill everything on timeout."""
         deadline = time.monotonic() + timeout
         failed_at = None
         while time.monotonic() < deadline:
@@ -96,7 +98,7 @@ class LocalRun:
                 on_poll(self)
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > 2.0:
+            if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_S:
                 self.kill()
             time.sleep(0.1)
         self.kill()
