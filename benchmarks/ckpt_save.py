@@ -7,6 +7,11 @@ of `--formats` (`dist_ckpt.FORMATS`; rows named `path:format`):
 * `nightwatch`: `dist_ckpt.Writer.save` as the training loop calls it, by phase (fresh temp
   dir, state dict, megatron's write, fsyncs, metadata, publish rename + `latest`, retention,
   the closing all-reduce);
+* `rank0`: the same with `spread_replicas=False` (megatron's default strategy: data-parallel
+  rank 0 writes every replicated tensor), after `nightwatch` in even repeats, before it in odd;
+* `plain_cached` (asked for by `--paths`): `plain` with the strategy nightwatch's saves use
+  without the replica spreading (cached metadata, integrity validated on the first save
+  only), beside `plain`;
 * `plain`: the sharded state dict of the first format through `dist_checkpointing.save` with
   its default strategy into a fresh directory (no metadata, no publish); first in even
   repeats, last in odd ones, so neither path always writes behind the other's page cache;
@@ -70,6 +75,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["plain", "nightwatch", "async"],
         help="which saves to measure (async is followed by its load)",
     )
+    ap.add_argument("--keep-last", type=int, default=1, help="checkpoints nightwatch's saves keep")
     ap.add_argument("--compute-ms", type=float, default=0.0, help="stand-in fwd/bwd per step")
     ap.add_argument("--d2h", action="store_true", help="time the copy to host memory alone")
     ap.add_argument("--out", type=Path, help="results JSON")
@@ -94,7 +100,8 @@ def main() -> None:
     argv = [
         "--size", args.size, "--repeats", str(args.repeats), "--work", str(args.work),
         "--out", str(result), "--formats", *args.formats, "--paths", *args.paths,
-        "--compute-ms", str(args.compute_ms), *(["--d2h"] if args.d2h else []),
+        "--compute-ms", str(args.compute_ms), "--keep-last", str(args.keep_last),
+        *(["--d2h"] if args.d2h else []),
     ]  # fmt: skip
     run = launch(argv, args.nproc, args.work / "logs", entry=(str(Path(__file__).resolve()),))
     codes = run.wait(3600)
@@ -138,6 +145,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     torch = setup.torch
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from contracts import checkpoints as ck
     from contracts.spec import RunSpec
@@ -177,10 +185,14 @@ def _rank_main(args: argparse.Namespace) -> None:
     layout = {"tensor": 1, "pipeline": 1, "data": world}
     work = args.work
     plain_dir = work / "plain"
-    writers = {fmt: dist_ckpt.Writer(fmt) for fmt in args.formats}
-    results: dict = {"plain": []} if "plain" in args.paths else {}
+    writers = {
+        (path, fmt): dist_ckpt.Writer(fmt, spread_replicas=path != "rank0")
+        for path in ("nightwatch", "rank0")
+        for fmt in args.formats
+    }
+    results: dict = {p: [] for p in ("plain", "plain_cached") if p in args.paths}
     for fmt in args.formats:
-        for path in ("nightwatch", "async", "load", "exact"):
+        for path in ("nightwatch", "rank0", "async", "load", "exact"):
             if path in args.paths or ("async" in args.paths and path in ("load", "exact")):
                 results[f"{path}:{fmt}"] = []
 
@@ -190,29 +202,45 @@ def _rank_main(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def nightwatch(step: int, fmt: str) -> dict:
+    def nightwatch(step: int, path: str, fmt: str) -> dict:
         phases = dist_ckpt.Phases()
         t0 = barrier_time()
         phases.mark("start")
-        target = dist_ckpt.Target(work / fmt, step, step * world, 1.0, layout, keep_last=1)
-        writers[fmt].save(model, optimizer, target, phases)
+        target = dist_ckpt.Target(
+            work / fmt, step, step * world, 1.0, layout, keep_last=args.keep_last
+        )
+        writers[path, fmt].save(model, optimizer, target, phases)
         total = barrier_time() - t0
         phases.seconds.pop("start")
         return {"total_s": total, "phases": phases.seconds}
 
-    def plain() -> dict:
+    cached = TorchDistSaveShardedStrategy(cached_metadata=True)
+    plain_saves: list[Path] = []
+    cached_saves: list[Path] = []
+
+    def plain(path: str) -> dict:
+        directory = plain_dir / str(len(plain_saves))
         if rank == 0:
-            shutil.rmtree(plain_dir, ignore_errors=True)
-            plain_dir.mkdir(parents=True)
+            directory.mkdir(parents=True)
         t0 = barrier_time()
         state = dist_ckpt._state_dict(
             model, optimizer, is_loading=False, optimizer_format=args.formats[0]
         )
         t1 = time.perf_counter()
-        dist_checkpointing.save(state, str(plain_dir))
+        if path == "plain":
+            dist_checkpointing.save(state, str(directory))
+        else:
+            dist_checkpointing.save(
+                state, str(directory), cached, validate_access_integrity=not cached_saves
+            )
+            cached_saves.append(directory)
         t2 = barrier_time()
-        if rank == 0:
-            shutil.rmtree(plain_dir, ignore_errors=True)  # room on disk for the next save
+        # the previous plain checkpoint goes once this one is written, as retention removes
+        # nightwatch's (keep_last 1): removed at once, its pages not yet on disk would be
+        # dropped and the next save spared their writeback, which nightwatch's saves pay
+        if rank == 0 and plain_saves:
+            shutil.rmtree(plain_saves[-1], ignore_errors=True)
+        plain_saves.append(directory)
         return {"total_s": t2 - t0, "phases": {"state_dict": t1 - t0, "save": t2 - t1}}
 
     def timed_step() -> float:
@@ -226,8 +254,10 @@ def _rank_main(args: argparse.Namespace) -> None:
         phases = dist_ckpt.Phases()
         t0 = barrier_time()
         phases.mark("start")
-        target = dist_ckpt.Target(work / fmt, step, step * world, 1.0, layout, keep_last=1)
-        pending = writers[fmt].start(model, optimizer, target, phases)
+        target = dist_ckpt.Target(
+            work / fmt, step, step * world, 1.0, layout, keep_last=args.keep_last
+        )
+        pending = writers["nightwatch", fmt].start(model, optimizer, target, phases)
         started = time.perf_counter() - t0
         polls, slowdown = [], 0.0
         while True:
@@ -261,13 +291,16 @@ def _rank_main(args: argparse.Namespace) -> None:
         # plain goes first on even repeats and last on odd ones: a save that follows another
         # writes while the page cache still flushes the one before it
         plain_last = i % 2 == 1
-        if "plain" in args.paths and not plain_last:
-            results["plain"].append(plain())
+        plains = [p for p in ("plain", "plain_cached") if p in args.paths]
+        for path in plains if not plain_last else []:
+            results[path].append(plain(path))
         formats = args.formats if i % 2 == 0 else args.formats[::-1]
+        writes = ("nightwatch", "rank0") if i % 2 == 0 else ("rank0", "nightwatch")
         for fmt in formats:
-            if "nightwatch" in args.paths:
-                step += 1
-                results[f"nightwatch:{fmt}"].append(nightwatch(step, fmt))
+            for path in writes:
+                if path in args.paths:
+                    step += 1
+                    results[f"{path}:{fmt}"].append(nightwatch(step, path, fmt))
             if "async" not in args.paths:
                 continue
             step += 1
@@ -279,8 +312,8 @@ def _rank_main(args: argparse.Namespace) -> None:
             results[f"exact:{fmt}"].append(exact(snapshot))
             del snapshot
             fuse_adam(optimizer)
-        if "plain" in args.paths and plain_last:
-            results["plain"].append(plain())
+        for path in plains[::-1] if plain_last else []:
+            results[path].append(plain(path))
         if rank == 0:
             print(json.dumps({"repeat": i, **{k: v[-1] for k, v in results.items()}}), flush=True)
     if rank == 0:

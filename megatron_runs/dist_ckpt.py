@@ -37,6 +37,8 @@ from megatron_runs.cpu_compat import collective_device
 
 logger = logging.getLogger(__name__)
 
+SaveStrategy = TorchDistSaveShardedStrategy | FullyParallelSaveStrategyWrapper
+
 _FORMAT_KEY = "distrib_optim_sharding_type"
 #: The optimizer format of checkpoints that name none: Nightwatch's before model space.
 _UNNAMED_FORMAT = "fully_reshardable"
@@ -225,20 +227,24 @@ class Writer:
     copy is done, writes it, and the returned `async_save.PendingSave` publishes once every
     rank's writer finished.
 
-    Each data-parallel replica writes 1/DP of the replicated tensors (megatron's
-    FullyParallelSaveStrategyWrapper, Megatron-LM's default): with megatron's default strategy
-    DP rank 0 alone writes every replicated tensor, the whole model and, fully_reshardable, the
-    whole optimizer state. The shard distribution, the sharding check and torch's save plan
-    (every rank's write items, all-gathered) are computed on the first save only and reused
-    (Megatron-LM's `--ckpt-assume-constant-structure`): the state's structure does not change
-    within a process.
+    With `spread_replicas` (the default) each data-parallel replica writes 1/DP of the
+    replicated tensors (megatron's FullyParallelSaveStrategyWrapper, Megatron-LM's default);
+    without it, megatron's default strategy: DP rank 0 alone writes every replicated tensor,
+    the whole model and, fully_reshardable, the whole optimizer state. The shard distribution,
+    the sharding check and torch's save plan (every rank's write items, all-gathered) are
+    computed on the first save only and reused (Megatron-LM's
+    `--ckpt-assume-constant-structure`): the state's structure does not change within a
+    process.
     """
 
-    def __init__(self, optimizer_format: str = model_space.FORMAT) -> None:
+    def __init__(
+        self, optimizer_format: str = model_space.FORMAT, spread_replicas: bool = True
+    ) -> None:
         if optimizer_format not in FORMATS:
             raise ValueError(f"optimizer format {optimizer_format!r} is none of {FORMATS}")
         self.optimizer_format = optimizer_format
-        self._strategy: FullyParallelSaveStrategyWrapper | None = None
+        self.spread_replicas = spread_replicas
+        self._strategy: SaveStrategy | None = None
         self._host = async_save.HostBuffers(pin=torch.cuda.is_available())
         self._stream: torch.cuda.Stream | None = None
 
@@ -291,7 +297,7 @@ class Writer:
 
     def _prepare(
         self, model: list, optimizer: object, target: Target, phases: Phases
-    ) -> tuple[dict, FullyParallelSaveStrategyWrapper, bool]:
+    ) -> tuple[dict, SaveStrategy, bool]:
         _results_queue(target.step)
         _fresh_tmp(target)
         phases.mark("fresh_dir")
@@ -301,11 +307,13 @@ class Writer:
         phases.mark("state_dict")
         first = self._strategy is None
         if first:
-            self._strategy = FullyParallelSaveStrategyWrapper(
-                TorchDistSaveShardedStrategy(cached_metadata=True),
-                ps.get_data_parallel_group(with_context_parallel=True),
-                do_cache_distribution=True,
-            )
+            self._strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+            if self.spread_replicas:
+                self._strategy = FullyParallelSaveStrategyWrapper(
+                    self._strategy,
+                    ps.get_data_parallel_group(with_context_parallel=True),
+                    do_cache_distribution=True,
+                )
         return state, self._strategy, first
 
     @property
