@@ -191,6 +191,9 @@ class Reconciler:
         self._probed: dict[tuple[str, int], float] = {}
         #: (run, attempt) whose successor was prepared (or tried): asked once per attempt.
         self._successors: set[tuple[str, int]] = set()
+        #: Runs with a live successor job (`strays.live_successors`) as the last listing of
+        #: live jobs saw them, and those whose successor was submitted since: no refills.
+        self._standby: set[str] = set()
         #: job id → the lead of its stop signal, as its submission recorded it.
         self._leads: dict[str, float] = {}
 
@@ -485,8 +488,8 @@ class Reconciler:
             self._verdict_due = min(due, self._verdict_due or due)
         self._prepare_successor(run, attempt, spec, snap)
         if not findings:
-            # once a successor is prepared the job stops soon: its reserves are strays then
-            refill = spec.resources.spare_nodes and (run.id, attempt.number) not in self._successors
+            # while a successor stands by the job stops soon: its reserves are strays then
+            refill = spec.resources.spare_nodes and run.id not in self._standby
             if refill and job_running and job.state is AttemptState.RUNNING:
                 self._refill_spares(run, attempt, spec, job_nodes, job.nodes, reserves, world, now)
             return Outcome()
@@ -547,7 +550,8 @@ class Reconciler:
             ready = snap.startup_seconds_seen or 0.0
             reason = walltime_ends_within(snap, lead + ready + SUCCESSOR_SLACK_S)
         if reason is not None:
-            self.actuator.prepare_successor(run.id, attempt.number + 1, reason=reason)
+            if self.actuator.prepare_successor(run.id, attempt.number + 1, reason=reason):
+                self._standby.add(run.id)
             self._successors.add(key)
 
     def _refill_spares(
@@ -692,6 +696,7 @@ class Reconciler:
             return
         with self.db.session() as s:
             runs = strays.load_runs(s, live.values())
+        self._standby = set(strays.live_successors(live, runs))
         for stray in strays.find_strays(live, runs):
             self.actuator.cancel_stray(stray.run_id, stray.attempt, stray.job_id, stray.reason)
         with self.db.session() as s:

@@ -45,7 +45,7 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
     recorded yet keeps the job its submission will adopt by name; a job named after an earlier
     attempt is the current attempt's when that attempt was started inside it."""
     out = []
-    successors = _successors(live, runs)
+    successors = live_successors(live, runs)
     for job_id, name in sorted(live.items()):
         reserve = parse_reserve_name(name)
         if reserve is not None and reserve[0] in runs:
@@ -82,7 +82,7 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
     return out
 
 
-def _successors(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> dict[str, str]:
+def live_successors(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> dict[str, str]:
     """Run → the live job named after its next attempt (a successor prepared while the
     current attempt runs on: `Actuator.prepare_successor`), for the runs that go on."""
     out = {}

@@ -7,6 +7,7 @@ The node tasks' side runs on the real cluster in tests/launcher/test_cluster_res
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from supervisor.db import Database
 from supervisor.launcher import parse_reserve_name
 from supervisor.models import Action, ActionState, Attempt, RunState
 from supervisor.slurm import JobState, JobStatus
-from supervisor.watchdog import actions, reserves
+from supervisor.watchdog import actions, reconciler, reserves
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 from supervisor.watchdog.reserves import Reserve
 from supervisor.watchdog.snapshot import RemedyKind
@@ -190,6 +191,26 @@ def test_a_stopping_jobs_reserve_makes_way_for_its_successor(db: Database, tmp_p
     w.rec.tick()
     w.rec.tick()
     assert len(w.cluster.submitted) == 3 and len(reserve_actions(db, w.run_id)) == 1
+
+
+def test_a_successor_that_left_holds_refills_back_no_longer(db: Database, tmp_path: Path) -> None:
+    """The job's time limit came near: its successor stands by, and the job gets no refill.
+    The limit was then extended and the successor left without taking over (its standby
+    wait ran out): refills go on for the job."""
+    w = Swapped(db, tmp_path)
+    near = 90 + reconciler.SUCCESSOR_SLACK_S
+    w.cluster.states[w.job] = dataclasses.replace(w.cluster.states[w.job], time_left_s=near)
+    w.rec.tick()
+    successor, request = w.cluster.submitted[-1]
+    assert request.job_name == f"nw-{w.run_id}-a3" and w.cluster.tasks[successor].standby
+    w.rec.tick()
+    assert len(w.cluster.submitted) == 2 and reserve_actions(db, w.run_id) == []
+    w.cluster.states[w.job] = dataclasses.replace(w.cluster.states[w.job], time_left_s=3600.0)
+    w.cluster.set(successor, JobState.COMPLETED)
+    w.rec.tick()  # the tick's closing listing of live jobs finds the successor gone
+    w.rec.tick()
+    (reserve,) = reserve_actions(db, w.run_id)
+    assert reserve.target == f"{w.job}-r1" and len(w.cluster.submitted) == 3
 
 
 def _all_actions(db: Database, run_id: str) -> list[Action]:
