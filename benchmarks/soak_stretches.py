@@ -4,6 +4,12 @@ for Nightwatch and for its fault-free reference, as its time beyond its steps at
 `ettr_vs_reference_local` sums. A stretch is named after the fault at its start, whose
 recovery it holds.
 
+Then the 10-step windows of one process group, stops taken out (`STOP_PACES`), as their time
+beyond the whole run's pace: those that overlap an idle node task's import (a spare's, a
+standby successor's or a reserve's node importing the training program at the lowest
+priority, `worker.priority`; on the dev cluster beside the training on the same cores) and
+the others, for Nightwatch and its reference (which has no idle nodes).
+
     PYTHONPATH=$PWD .venv/bin/python benchmarks/soak_stretches.py /tmp/soaks/x/<run folder>
 """
 
@@ -18,6 +24,7 @@ from pathlib import Path
 
 from benchmarks.soak.progress import Progress, parse_lines
 from benchmarks.soak.score import pace_s
+from worker.priority import IMPORTING_LAST
 
 #: Steps a pace window spans (the soak's `pace_window`).
 WINDOW = 10
@@ -86,6 +93,58 @@ def parts(progress: Progress, bounds: Sequence[int]) -> list[Parts | None]:
     return out
 
 
+def idle_imports(logs: Iterable[Path]) -> list[tuple[float, float]]:
+    """(start, end) of each idle node task's import in its log: from its `IMPORTING_LAST`
+    line to the next line the task logs (waiting for an order, or ranks it forks)."""
+    out = []
+    for path in logs:
+        start = None
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.startswith('{"ts"') or '"msg"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if str(rec["msg"]).startswith(IMPORTING_LAST):
+                start = float(rec["ts"])
+            elif start is not None:
+                out.append((start, float(rec["ts"])))
+                start = None
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Beside:
+    """10-step windows beside an idle import and the others: count and seconds beyond pace."""
+
+    windows: int
+    excess_s: float
+    other_windows: int
+    other_excess_s: float
+
+
+def beside_imports(progress: Progress, imports: Sequence[tuple[float, float]]) -> Beside | None:
+    """The run's 10-step windows of one process group, each less its stops (intervals over
+    `STOP_PACES` paces), beyond the whole run's pace, split by whether an import overlaps."""
+    whole = pace_s(progress, WINDOW)
+    if whole is None:
+        return None
+    sums = {True: [0, 0.0], False: [0, 0.0]}
+    steps = progress.steps
+    for i in range(0, len(steps) - WINDOW, WINDOW):
+        window = steps[i : i + WINDOW + 1]
+        first, last = window[0], window[-1]
+        if last.incarnation != first.incarnation or last.step != first.step + WINDOW:
+            continue
+        gaps = [b.t - a.t for a, b in pairwise(window)]
+        seconds = sum(g for g in gaps if g <= STOP_PACES * whole)
+        beside = any(a < last.t and b > first.t for a, b in imports)
+        sums[beside][0] += 1
+        sums[beside][1] += seconds - WINDOW * whole
+    return Beside(sums[True][0], sums[True][1], sums[False][0], sums[False][1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a soak's run folder (holds result.json)")
@@ -104,6 +163,15 @@ def main() -> None:
         split_s = (split.stops_s, split.redone_s, split.slow_s) if split else (None,) * 3
         shown = [f"{v:.1f}" if v is not None else "-" for v in (nw, *split_s, ref)]
         print("{:20s} {:7d} {:>12s} {:>6s} {:>6s} {:>6s} {:>11s}".format(name, bound, *shown))
+    imports = idle_imports(args.run.glob("home/runs/*/logs/**/*_log.out"))
+    print(f"\nidle node imports: {len(imports)}, {sum(b - a for a, b in imports):.1f} s in all")
+    print("{:12s} {:>16s} {:>10s} {:>15s} {:>10s}".format(
+        "10-step windows", "beside an import", "beyond s", "the others", "beyond s"))  # fmt: skip
+    for system, progress in (("nightwatch", nightwatch), ("reference", reference)):
+        split = beside_imports(progress, imports if system == "nightwatch" else [])
+        if split is not None:
+            row = (system, split.windows, split.excess_s, split.other_windows, split.other_excess_s)
+            print("{:12s} {:16d} {:10.1f} {:15d} {:10.1f}".format(*row))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from pathlib import Path
 log = logging.getLogger("nightwatch.worker")
 
 LOWEST_PRIORITY = 19
+#: How a node task's log line says it starts importing last (the soak's analysis finds it).
+IMPORTING_LAST = "importing at nice"
 #: CAP_SYS_NICE's bit in /proc/<pid>/status `CapEff` (linux/capability.h).
 CAP_SYS_NICE = 23
 
@@ -65,7 +67,7 @@ def lowest_priority(
         yield
         return
     lowered = _Lowered(own, _own_autogroup_nice(), threading.get_native_id(), context)
-    log.info("importing at nice %d%s", LOWEST_PRIORITY, " (and its autogroup)" if
+    log.info("%s %d%s", IMPORTING_LAST, LOWEST_PRIORITY, " (and its autogroup)" if
              lowered.group is not None else "", extra=context)  # fmt: skip
     done = threading.Event()
     if needed is not None:
