@@ -125,8 +125,9 @@ class Beside:
 
 
 def beside_imports(progress: Progress, imports: Sequence[tuple[float, float]]) -> Beside | None:
-    """The run's 10-step windows of one process group, each less its stops (intervals over
-    `STOP_PACES` paces), beyond the whole run's pace, split by whether an import overlaps."""
+    """The run's 10-step windows of one process group, a stop in one (an interval over
+    `STOP_PACES` paces) counted as one pace, beyond the whole run's pace, split by whether
+    an import overlaps."""
     whole = pace_s(progress, WINDOW)
     if whole is None:
         return None
@@ -138,7 +139,7 @@ def beside_imports(progress: Progress, imports: Sequence[tuple[float, float]]) -
         if last.incarnation != first.incarnation or last.step != first.step + WINDOW:
             continue
         gaps = [b.t - a.t for a, b in pairwise(window)]
-        seconds = sum(g for g in gaps if g <= STOP_PACES * whole)
+        seconds = sum(whole if g > STOP_PACES * whole else g for g in gaps)
         beside = any(a < last.t and b > first.t for a, b in imports)
         sums[beside][0] += 1
         sums[beside][1] += seconds - WINDOW * whole

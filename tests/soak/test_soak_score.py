@@ -26,7 +26,7 @@ from benchmarks.soak.score import (
     score_system,
     steps_lost,
 )
-from benchmarks.soak_stretches import Parts, parts, stretches
+from benchmarks.soak_stretches import Beside, Parts, beside_imports, parts, stretches
 
 
 def run(segments: list[tuple[float, int, int, str]], loss=lambda s: 10.0 / (1 + s)) -> Progress:
@@ -502,3 +502,17 @@ def test_a_stretchs_excess_splits_into_its_stop_its_redone_steps_and_slow_steps(
         progress.steps.append(StepEvent(t, step, 3.0, "1/1" if i < 50 else "1/2"))
     assert stretches(progress, [40, 100]) == [0.0, 7.75]
     assert parts(progress, [40, 100]) == [Parts(0.0, 0.0, 0.0), Parts(4.0, 1.25, 2.5)]
+
+
+def test_windows_beside_an_import_hold_their_slow_steps_and_a_stop_counts_one_pace() -> None:
+    """Steps 0.25 s apart; steps 12-21 take 0.5 s (an import ran beside them, from 3 s to
+    7 s) and a 5 s stop follows step 25: of the five 10-step windows, the one the import
+    overlaps holds 2.5 s beyond the pace; the stop's window holds none (its stop counts as a
+    pace: it is a recovery, not a slow step)."""
+    progress = Progress()
+    t = 0.0
+    for step in range(1, 52):
+        t += 0.25 + (0.25 if 12 <= step <= 21 else 0.0) + (5.0 if step == 26 else 0.0)
+        progress.steps.append(StepEvent(t, step, 3.0, "1/1"))
+    assert beside_imports(progress, [(3.0, 7.0)]) == Beside(1, 2.5, 4, 0.0)
+    assert beside_imports(progress, []) == Beside(0, 0.0, 5, 2.5)
