@@ -4,7 +4,7 @@ for Nightwatch and for its fault-free reference, as its time beyond its steps at
 `ettr_vs_reference_local` sums. A stretch is named after the fault at its start, whose
 recovery it holds.
 
-Then the 10-step windows of one process group, stops taken out (`STOP_PACES`), as their time
+Then the 10-step windows of one process group, a stop in one counted as a pace, as their time
 beyond the whole run's pace: those that overlap an idle node task's import (a spare's, a
 standby successor's or a reserve's node importing the training program at the lowest
 priority, `worker.priority`; on the dev cluster beside the training on the same cores) and
