@@ -17,6 +17,10 @@ seed and the schedule first and the side-by-side table last; writes everything t
     .venv/bin/python benchmarks/chaos_soak.py --clean --no-reference --steps 19000   # half the time
     .venv/bin/python benchmarks/chaos_soak.py --no-reference --steps 9000  # MTTRs, no loss check
     .venv/bin/python benchmarks/chaos_soak.py --faults poison_data,hang --steps 200
+    # in two processes (a lent machine's calls are 10 min each): Nightwatch, then its reference
+    .venv/bin/python benchmarks/chaos_soak.py --seed 7 --no-reference --systems nightwatch
+    .venv/bin/python benchmarks/chaos_soak.py --seed 7 --systems nightwatch \
+        --nightwatch-from out/soak/<stamp>-seed7/nightwatch_run.json
 
 Exit status 0 when Nightwatch met the acceptance properties the chosen mode can show (see
 `acceptance`), 1 otherwise.
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.soak.baseline import load_reference, run_baseline, run_reference, save_reference
 from benchmarks.soak.driver import SystemRun
 from benchmarks.soak.nightwatch import run_nightwatch
+from benchmarks.soak.record import RUN_RECORD, RecordMismatch, from_record, to_record
 from benchmarks.soak.reference import PlanError, ReferencePlan, Segment
 from benchmarks.soak.reference import plan as reference_plan
 from benchmarks.soak.schedule import (
@@ -322,6 +327,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "remedies' skips and resumes), reused instead of training the reference again",
     )
     ap.add_argument(
+        "--nightwatch-from",
+        type=Path,
+        default=None,
+        help=f"an earlier soak's {RUN_RECORD} of the same seed and options: Nightwatch's run "
+        "is read from it, not run again (its reference and the baseline still are)",
+    )
+    ap.add_argument(
         "--no-reference",
         action="store_true",
         help="no fault-free reference run: halves the soak's time and leaves the final loss "
@@ -330,6 +342,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--out", type=Path, default=REPO / "out" / "soak")
     ap.add_argument("--base-port", type=int, default=17900, help="devcluster's first port")
+    ap.add_argument(
+        "--accounting",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="SLURM's accounting (slurmdbd, MariaDB); --no-accounting where MariaDB is missing "
+        "(the lent GPU machines: docs/devcluster.md)",
+    )
     ap.add_argument(
         "--budget-factor",
         type=float,
@@ -422,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     say = log_to(out / "soak.log")
     nodes = cluster_size(mode)
-    cluster = Cluster(out / "cluster", nodes, args.base_port)
+    cluster = Cluster(out / "cluster", nodes, args.base_port, accounting=args.accounting)
     shape = SoakShape(
         mode.train_steps, mode.checkpoint_interval, 8, JOB_NODES * PER_NODE,
         cluster.node_names, JOB_NODES,
@@ -435,6 +454,13 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare_data(data_dir, 4096)
     spec = soak_spec(mode, schedule, data)
     clean_spec = {**spec, "faults": []}
+    recorded = None
+    if args.nightwatch_from:
+        try:
+            recorded = from_record(json.loads(args.nightwatch_from.read_text()), spec)
+        except (OSError, ValueError, KeyError, RecordMismatch) as exc:
+            print(f"chaos_soak.py: error: {args.nightwatch_from}: {exc}", file=sys.stderr)
+            return 2
     supervisor = None
     runs: dict[str, SystemRun] = {}
     db_name = f"nw_soak_{seed}_{os.getpid()}"
@@ -453,11 +479,16 @@ def main(argv: list[str] | None = None) -> int:
         # Before the reference (which follows Nightwatch's history), Nightwatch's budget is
         # a multiple of the expected training time.
         budget = args.budget_factor * mode.train_steps * args.step_seconds + 600
-        if "nightwatch" in mode.systems:
+        if "nightwatch" in mode.systems and recorded is not None:
+            runs["nightwatch"] = recorded
+            say(f"nightwatch's run read from {args.nightwatch_from}")
+        elif "nightwatch" in mode.systems:
             runs["nightwatch"] = run_nightwatch(
                 spec if schedule else clean_spec, schedule, cluster, supervisor, tokens,
                 budget, say,
             )  # fmt: skip
+            record = to_record(runs["nightwatch"], spec)
+            (out / RUN_RECORD).write_text(json.dumps(record, default=str))
         # The others train as they would without Nightwatch: its supervisor and Prometheus,
         # idle now (its report is in), would still take CPU from their training.
         supervisor.stop()

@@ -143,8 +143,6 @@ def stack(args: argparse.Namespace, gpus_per_node: int) -> Iterator[Stack]:
         hardware += ["--gpus-per-node", str(gpus_per_node), "--gpu-devices"]
         if args.gpu_shared:
             hardware.append("--gpu-shared")
-    if os.environ.get("NIGHTWATCH_SLURM_PLUGIN_DIR"):
-        hardware += ["--plugin-dir", os.environ["NIGHTWATCH_SLURM_PLUGIN_DIR"]]
     started = devcluster(
         cluster, port, "start", "--nodes", str(args.nodes), "--no-accounting", *hardware,
         "--sd-url", f"{url}/v1/prometheus/targets", "--sd-token", token,

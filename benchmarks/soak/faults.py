@@ -49,18 +49,34 @@ class JobView:
     checkpoint_dir: Path
 
 
+#: What SLURM's tools say when the controller did not answer within its MessageTimeout (busy,
+#: or restarting): `scontrol update` says "Unexpected message received" when no reply came.
+CONTROLLER_SILENT = (
+    "Unexpected message received",
+    "Socket timed out",
+    "Unable to contact slurm controller",
+)
+
+
 def slurm(cluster: Cluster, *args: str, timeout_s: float = 15) -> str:
+    """Run a SLURM tool; NoTarget (try again at the next poll) when the controller did not
+    answer, RuntimeError when it refused."""
     out = subprocess.run(
         list(args), env={**os.environ, **cluster.env}, capture_output=True, text=True,
         timeout=timeout_s,
     )  # fmt: skip
     if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)}: {out.stderr.strip()}")
+        err = out.stderr.strip()
+        if any(silent in err for silent in CONTROLLER_SILENT):
+            raise NoTarget(f"the controller did not answer {' '.join(args)}: {err}")
+        raise RuntimeError(f"{' '.join(args)}: {err}")
     return out.stdout
 
 
-#: Where the cgroup v1 freezer is mounted (scripts/devcluster freezes a "node" there).
+#: Where the cgroup v1 freezer is mounted (scripts/devcluster freezes a "node" there) and,
+#: on a host without it, the cgroup v2 hierarchy (where devcluster freezes it instead).
 FREEZER_ROOT = Path("/sys/fs/cgroup/freezer")
+CGROUP2_ROOT = Path("/sys/fs/cgroup")
 
 
 def _environ(pid: str) -> dict[str, str]:
@@ -81,19 +97,24 @@ def _ppid(pid: str) -> str:
 
 
 def frozen(pid: str) -> bool:
-    """Whether the process sits in a frozen cgroup v1 freezer (a node the soak killed)."""
+    """Whether the process sits in a frozen cgroup (a node the soak killed): the v1 freezer's
+    state, or on cgroup v2 the `frozen` event of its cgroup (set when an ancestor froze it)."""
     try:
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
         return False
+    v1 = FREEZER_ROOT.exists()
     for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "freezer" in controllers.split(","):
-            state = FREEZER_ROOT / path.lstrip("/") / "freezer.state"
-            try:
+        hierarchy, controllers, path = line.split(":", 2)
+        try:
+            if v1 and "freezer" in controllers.split(","):
+                state = FREEZER_ROOT / path.lstrip("/") / "freezer.state"
                 return state.read_text().strip() != "THAWED"
-            except OSError:
-                return False
+            if not v1 and hierarchy == "0":
+                events = CGROUP2_ROOT / path.lstrip("/") / "cgroup.events"
+                return "frozen 1" in events.read_text().splitlines()
+        except OSError:
+            return False
     return False
 
 
@@ -295,10 +316,14 @@ class Injector:
         """Run the follow-ups that are due and ready; returns what was done."""
         done = []
         for f in list(self.followups):
-            if f.due <= now and f.ready():
-                self.followups.remove(f)
+            try:
+                if f.due > now or not f.ready():
+                    continue
                 f.action()
-                done.append(f.label)
+            except NoTarget:
+                continue  # the controller did not answer: again at the next tick
+            self.followups.remove(f)
+            done.append(f.label)
         return done
 
     def finish(self) -> list[str]:

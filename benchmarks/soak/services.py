@@ -46,6 +46,9 @@ class Cluster:
     root: Path
     nodes: int
     base_port: int
+    #: SLURM's accounting (slurmdbd and MariaDB); without it, where MariaDB is missing (the lent
+    #: GPU machines), finished jobs stay in squeue for an hour (`MinJobAge`), longer than a soak.
+    accounting: bool = True
 
     def run(self, *args: str, timeout_s: float = 120) -> str:
         cmd = [PYTHON, str(DEVCLUSTER), "--dir", str(self.root), "--base-port", str(self.base_port)]
@@ -71,7 +74,7 @@ class Cluster:
         return tuple(f"n{i}" for i in range(1, self.nodes + 1))
 
     def start(self, sd_url: str | None = None, sd_token: str | None = None) -> None:
-        args = ["start", "--nodes", str(self.nodes)]
+        args = ["start", "--nodes", str(self.nodes), *self._accounting_args]
         if sd_url:
             args += ["--sd-url", sd_url, "--sd-token", sd_token or ""]
         self.run(*args)
@@ -87,7 +90,11 @@ class Cluster:
 
     def start_slurm_only(self) -> None:
         """Idempotent start without touching Prometheus (brings a stopped slurmctld back)."""
-        self.run("start", "--nodes", str(self.nodes), "--no-prometheus")
+        self.run("start", "--nodes", str(self.nodes), "--no-prometheus", *self._accounting_args)
+
+    @property
+    def _accounting_args(self) -> list[str]:
+        return [] if self.accounting else ["--no-accounting"]
 
     def kill_node(self, node: str) -> None:
         self.run("kill-node", node)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from benchmarks.soak.faults import FollowUp, JobView, NoTarget
 from benchmarks.soak.progress import LogFollower
 from benchmarks.soak.schedule import FaultKind, ScheduledFault, spec_fault
 from benchmarks.soak.score import Injection
+from benchmarks.soak.services import Cluster
 from contracts.spec import RunSpec
 from megatron_runs.faults import Faults
 
@@ -195,3 +197,73 @@ def test_a_rank_on_a_frozen_node_is_no_target(tmp_path: Path) -> None:
         proc.kill()
         proc.wait()
         cgroup.rmdir()
+
+
+def test_a_controller_that_did_not_answer_is_tried_again_and_a_refusal_is_not(
+    tmp_path: Path,
+) -> None:
+    """`scontrol update` says "Unexpected message received" when slurmctld sent no reply in
+    time: nothing to record as a failed injection, only a try at the next poll."""
+    cluster = Cluster(tmp_path, 2, 26000)
+    silent = "echo 'Unexpected message received for job 3' >&2; exit 1"
+    with pytest.raises(NoTarget):
+        soak_faults.slurm(cluster, "sh", "-c", silent)
+    with pytest.raises(RuntimeError, match="Invalid job id"):
+        soak_faults.slurm(cluster, "sh", "-c", "echo 'Invalid job id specified' >&2; exit 1")
+
+
+def test_a_follow_up_the_controller_did_not_answer_stays_for_the_next_tick(
+    tmp_path: Path,
+) -> None:
+    answers = iter([NoTarget("no answer"), None])
+    done: list[str] = []
+
+    def restore() -> None:
+        answer = next(answers)
+        if answer is not None:
+            raise answer
+        done.append("restored")
+
+    injector = soak_faults.Injector(Cluster(tmp_path, 2, 26000))
+    injector.followups.append(FollowUp(0.0, "limit restored", restore))
+    assert injector.tick(1.0) == []
+    assert injector.tick(2.0) == ["limit restored"]
+    assert done == ["restored"] and injector.followups == []
+
+
+def cgroup2_mount() -> Path | None:
+    """The cgroup v2 hierarchy: the whole of /sys/fs/cgroup, or (hybrid hosts) `unified`."""
+    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        if (root / "cgroup.controllers").exists():
+            return root
+    return None
+
+
+@pytest.mark.skipif(cgroup2_mount() is None, reason="no cgroup v2 hierarchy on this host")
+def test_a_rank_frozen_through_cgroup_v2_is_no_target(tmp_path: Path, monkeypatch) -> None:
+    """On a host without the v1 freezer (the lent GPU machines) devcluster freezes a node's
+    cgroup v2 parent: the rank's own cgroup below it reads frozen."""
+    root = cgroup2_mount()
+    assert root is not None
+    monkeypatch.setattr(soak_faults, "FREEZER_ROOT", tmp_path / "no-v1-freezer")
+    monkeypatch.setattr(soak_faults, "CGROUP2_ROOT", root)
+    node = root / f"nw-test-{os.getpid()}"
+    (node / "step").mkdir(parents=True)
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        (node / "step" / "cgroup.procs").write_text(str(proc.pid))
+        assert not soak_faults.frozen(str(proc.pid))
+        (node / "cgroup.freeze").write_text("1")
+        for _ in range(100):  # freezing is asynchronous; cgroup.events says when it is done
+            if "frozen 1" in (node / "cgroup.events").read_text():
+                break
+            time.sleep(0.01)
+        assert soak_faults.frozen(str(proc.pid))
+        (node / "cgroup.freeze").write_text("0")
+        assert not soak_faults.frozen(str(proc.pid))
+    finally:
+        proc.kill()
+        (node / "cgroup.freeze").write_text("0")
+        proc.wait()
+        (node / "step").rmdir()
+        node.rmdir()
