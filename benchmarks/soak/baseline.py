@@ -51,6 +51,9 @@ def sbatch_script(
     nodes, per_node = int(res.get("nodes", 1)), int(res.get("gpus_per_node", 1))
     cpus = int(res.get("cpus_per_task", 1))
     minutes = int(res.get("time_limit_minutes", 60))
+    # A CPU run trains on CPU on a GPU host too (the training program takes CUDA when it sees
+    # any), as Nightwatch's launcher has it (`supervisor.launcher`).
+    hide_gpus = " CUDA_VISIBLE_DEVICES=" if res.get("device") == "cpu" else ""
     train = " ".join(
         [
             shlex.quote(PYTHON), "-m", "megatron_runs.train",
@@ -78,7 +81,7 @@ def sbatch_script(
 #SBATCH --output={work}/logs/batch_%j.out
 export SLURM_RESTART_COUNT=${{SLURM_RESTART_COUNT:-0}}
 export MASTER_PORT=$(( {MASTER_PORT_BASE} + (SLURM_JOB_ID * 8 + SLURM_RESTART_COUNT) % 10000 ))
-export OMP_NUM_THREADS={cpus} PYTHONPATH={shlex.quote(str(REPO))}
+export OMP_NUM_THREADS={cpus} PYTHONPATH={shlex.quote(str(REPO))}{hide_gpus}
 cd {shlex.quote(str(REPO))}
 srun --kill-on-bad-exit=1 --open-mode=append --output={work}/logs/%j_%t_log.out \\
   bash -c {shlex.quote(rank_env)}

@@ -70,6 +70,10 @@ def test_baseline_script_requeues_and_resumes_the_same_program(tmp_path: Path) -
     assert "-m megatron_runs.train" in text and '--attempt "$SLURM_RESTART_COUNT"' in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert "--resume-step" not in text  # resumes from `latest`, like Megatron's auto-resume
+    # a CPU spec trains on CPU on a GPU host too
+    assert "PYTHONPATH=" in text and text.count(" CUDA_VISIBLE_DEVICES=\n") == 1
+    gpu = {**spec, "resources": {**spec["resources"], "device": "gpu"}}
+    assert "CUDA_VISIBLE_DEVICES" not in sbatch_script(gpu, tmp_path / "s.json", tmp_path, "b")
     segment = sbatch_script(spec, tmp_path / "spec.json", tmp_path, "reference",
                             ["--resume-step", "60", "--skip", "100:120"])  # fmt: skip
     assert '"$SLURM_RESTART_COUNT" --resume-step 60 --skip 100:120' in segment
