@@ -8,7 +8,8 @@ Nightwatch under the schedule, the exact reference (the baseline's script withou
 planned from Nightwatch's history so that it sees the same samples and applies the same
 updates: `benchmarks/soak/reference.py`), the baseline under the same schedule. Prints the
 seed and the schedule first and the side-by-side table last; writes everything to
-`<out>/result.json`.
+`<out>/result.json`. `--minutes` is turned into steps at the pace of a short clean run of the
+soak's job timed first (`baseline.measure_pace`), unless `--step-seconds` gives it.
 
     .venv/bin/python benchmarks/chaos_soak.py --seed 7 --minutes 20       # the full soak
     .venv/bin/python benchmarks/chaos_soak.py --short                     # ≈ 5 min, make test
@@ -36,13 +37,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.soak.baseline import load_reference, run_baseline, run_reference, save_reference
+from benchmarks.soak.baseline import (
+    PACE_STEPS,
+    PaceError,
+    load_reference,
+    measure_pace,
+    run_baseline,
+    run_reference,
+    save_reference,
+)
 from benchmarks.soak.driver import SystemRun
 from benchmarks.soak.nightwatch import run_nightwatch
 from benchmarks.soak.record import RUN_RECORD, RecordMismatch, from_record, to_record
@@ -73,13 +82,16 @@ JOB_NODES, PER_NODE = 2, 2
 #: (and the new job holds as many again).
 SPARE_NODES = 1
 HANG_FLOOR_S = 1.0
+#: The slowest step this VM has shown (s): Nightwatch's time budget when the soak's length is
+#: given in steps and no pace was measured.
+SLOWEST_STEP_S = 0.2
 ROLLBACK_SKIP_STEPS = 8
 
 
 @dataclass(frozen=True)
 class Mode:
     kinds: tuple[FaultKind, ...]
-    train_steps: int
+    train_steps: int | None  # None: --minutes at the pace measured on this machine
     checkpoint_interval: int
     systems: tuple[str, ...]
     distributed_optimizer: bool = True
@@ -87,15 +99,18 @@ class Mode:
 
 
 def mode_from_args(args: argparse.Namespace) -> Mode:
-    """--short / --clean / --faults / --minutes → what to run (pure)."""
+    """--short / --clean / --faults / --minutes → what to run (pure); the steps stay open
+    when --minutes waits for the measured pace."""
     default = SHORT_KINDS if args.short else tuple(FaultKind)
     kinds = () if args.clean else tuple(parse_kinds(args.faults, default))
     if args.steps:
         steps = args.steps
     elif args.short:
         steps = 150
+    elif args.step_seconds:
+        steps = steps_for(args.minutes, args.step_seconds)
     else:
-        steps = int(args.minutes * 60 / args.step_seconds)
+        steps = None
     systems = ("nightwatch",) if (args.clean or args.short) else ("nightwatch", "baseline")
     if args.systems:
         systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
@@ -103,6 +118,11 @@ def mode_from_args(args: argparse.Namespace) -> Mode:
         kinds, steps, args.checkpoint_interval, systems, args.distributed_optimizer,
         args.spare_nodes,
     )  # fmt: skip
+
+
+def steps_for(minutes: float, step_seconds: float) -> int:
+    """Training steps that take `minutes` at `step_seconds` a step (pure)."""
+    return max(1, int(minutes * 60 / step_seconds))
 
 
 def cluster_size(mode: Mode) -> int:
@@ -297,9 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--step-seconds",
         type=float,
-        default=0.12,
-        help="expected CPU step time, which differs by VM (2-core VMs here: 0.12-0.18 s on "
-        "2026-11-26/27, 0.07 s on a faster one); --minutes / this is the step count",
+        default=None,
+        help="CPU step time that turns --minutes into steps; by default measured before the "
+        f"soak by a {PACE_STEPS}-step clean run of its job (this VM's step took 0.05-0.18 s "
+        "on different days)",
     )
     ap.add_argument("--steps", type=int, default=None, help="train_steps (overrides --minutes)")
     ap.add_argument("--checkpoint-interval", type=int, default=10)
@@ -353,7 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-factor",
         type=float,
         default=3.0,
-        help="Nightwatch may take this × steps × --step-seconds + 600 s (it runs before the "
+        help="Nightwatch may take this × steps × the step time + 600 s (it runs before the "
         "reference), the baseline this × the reference's wall time",
     )
     return ap.parse_args(argv)
@@ -442,23 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     say = log_to(out / "soak.log")
     nodes = cluster_size(mode)
     cluster = Cluster(out / "cluster", nodes, args.base_port, accounting=args.accounting)
-    shape = SoakShape(
-        mode.train_steps, mode.checkpoint_interval, 8, JOB_NODES * PER_NODE,
-        cluster.node_names, JOB_NODES,
-    )  # fmt: skip
-    schedule = draw(seed, shape, mode.kinds) if mode.kinds else None
-    say(f"seed {seed} · {mode.train_steps} steps · systems {', '.join(mode.systems)}")
-    say(schedule.render() if schedule else "clean soak: no faults")
-    (out / "schedule.json").write_text(schedule.to_json() if schedule else "{}")
     data_dir = (args.out / "data").resolve()  # specs take absolute paths only
     data = prepare_data(data_dir, 4096)
-    spec = soak_spec(mode, schedule, data)
-    clean_spec = {**spec, "faults": []}
     recorded = None
     if args.nightwatch_from:
         try:
-            recorded = from_record(json.loads(args.nightwatch_from.read_text()), spec)
-        except (OSError, ValueError, KeyError, RecordMismatch) as exc:
+            recorded = json.loads(args.nightwatch_from.read_text())
+            if mode.train_steps is None:  # the recorded run's length, not a new pace's
+                mode = replace(mode, train_steps=int(recorded["spec"]["training"]["train_steps"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"chaos_soak.py: error: {args.nightwatch_from}: {exc}", file=sys.stderr)
             return 2
     supervisor = None
@@ -476,9 +489,35 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start(f"{supervisor.url}/v1/prometheus/targets", tokens["read"])
         supervisor.start()
         say(f"stack up: {nodes} nodes, supervisor {supervisor.url}, {cluster.prometheus_url}")
+        step_s = args.step_seconds
+        if mode.train_steps is None:
+            probe = soak_spec(replace(mode, train_steps=PACE_STEPS), None, data)
+            try:
+                step_s = measure_pace(probe, cluster, out / "pace", supervisor.home, say)
+            except PaceError as exc:
+                say(f"FAILED: {exc}")
+                return 1
+            mode = replace(mode, train_steps=steps_for(args.minutes, step_s))
+            say(f"pace: {step_s:.4f} s a step → {mode.train_steps} steps for {args.minutes:g} min")
+        shape = SoakShape(
+            mode.train_steps, mode.checkpoint_interval, 8, JOB_NODES * PER_NODE,
+            cluster.node_names, JOB_NODES,
+        )  # fmt: skip
+        schedule = draw(seed, shape, mode.kinds) if mode.kinds else None
+        say(f"seed {seed} · {mode.train_steps} steps · systems {', '.join(mode.systems)}")
+        say(schedule.render() if schedule else "clean soak: no faults")
+        (out / "schedule.json").write_text(schedule.to_json() if schedule else "{}")
+        spec = soak_spec(mode, schedule, data)
+        clean_spec = {**spec, "faults": []}
+        if recorded is not None:
+            try:
+                recorded = from_record(recorded, spec)
+            except (ValueError, KeyError, RecordMismatch) as exc:
+                print(f"chaos_soak.py: error: {args.nightwatch_from}: {exc}", file=sys.stderr)
+                return 2
         # Before the reference (which follows Nightwatch's history), Nightwatch's budget is
         # a multiple of the expected training time.
-        budget = args.budget_factor * mode.train_steps * args.step_seconds + 600
+        budget = args.budget_factor * mode.train_steps * (step_s or SLOWEST_STEP_S) + 600
         if "nightwatch" in mode.systems and recorded is not None:
             runs["nightwatch"] = recorded
             say(f"nightwatch's run read from {args.nightwatch_from}")
@@ -573,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         "extra": {k: r.extra for k, r in runs.items()},
         "acceptance_failed": failed,
         "mode": asdict(mode),
+        "step_seconds": {"value": step_s, "measured": args.step_seconds is None and bool(step_s)},
     }
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str))
     say(f"result: {out / 'result.json'}")

@@ -27,7 +27,7 @@ from benchmarks.soak.faults import Injector, JobView
 from benchmarks.soak.progress import LogFollower
 from benchmarks.soak.reference import ReferencePlan, Segment
 from benchmarks.soak.schedule import Schedule
-from benchmarks.soak.score import Remedy
+from benchmarks.soak.score import Remedy, pace_s
 from benchmarks.soak.services import PYTHON, REPO, Cluster
 from supervisor.slurm import JobState, SlurmCluster, SourceUnavailable
 
@@ -182,6 +182,36 @@ def run_baseline(
         final_state=state,
         extra={"job_id": job_id},
     )
+
+
+#: The pace run: how many steps it trains and the most it may take.
+PACE_STEPS, PACE_BUDGET_S = 200, 600.0
+
+
+class PaceError(RuntimeError):
+    """The pace run did not train its steps: no pace to size the soak by."""
+
+
+def measure_pace(
+    spec: dict[str, Any],
+    cluster: Cluster,
+    work: Path,
+    home: Path,
+    say: Callable[[str], None],
+) -> float:
+    """Seconds per step of `spec`'s job on this machine, saves included (`pace_s` over
+    checkpoint intervals, as the scores read it): PACE_STEPS steps of the baseline's script
+    without faults, the reference's pace. A VM's step time varies threefold between days,
+    so a soak's `--minutes` is turned into steps by this, not by a figure from another day."""
+    trial = {**spec, "faults": [], "training": {**spec["training"], "train_steps": PACE_STEPS}}
+    run = run_baseline(trial, None, cluster, work, home, PACE_BUDGET_S, say, "pace")
+    pace = pace_s(run.progress, int(spec["checkpoint"]["interval_steps"]))
+    if run.progress.max_step < PACE_STEPS or pace is None:
+        raise PaceError(
+            f"the pace run stopped at step {run.progress.max_step} of {PACE_STEPS} "
+            f"({run.final_state}; logs in {work / 'logs'})"
+        )
+    return pace
 
 
 #: What a reference run keeps beside its logs, so that a later soak can reuse it.

@@ -17,6 +17,7 @@ from benchmarks.chaos_soak import (
     parse_args,
     parse_seeds,
     soak_spec,
+    steps_for,
 )
 from benchmarks.soak.baseline import ReferenceMismatch, load_reference, sbatch_script
 from benchmarks.soak.faults import elapsed_minutes
@@ -38,6 +39,13 @@ def test_modes() -> None:
     full = mode_from_args(parse_args(["--faults", "hang,walltime", "--steps", "300"]))
     assert full.kinds == (FaultKind.HANG, FaultKind.WALLTIME)
     assert full.systems == ("nightwatch", "baseline") and full.train_steps == 300
+    # --minutes alone waits for the pace measured on this machine
+    assert mode_from_args(parse_args(["--minutes", "20"])).train_steps is None
+
+
+def test_minutes_become_the_steps_they_take_at_the_pace() -> None:
+    assert steps_for(20, 0.06) == 20000 and steps_for(20, 0.16) == 7500
+    assert steps_for(0.001, 10.0) == 1  # never an empty run
 
 
 def test_soak_spec_is_a_valid_run_with_the_schedules_faults() -> None:
