@@ -26,7 +26,6 @@ from pathlib import Path
 from contracts.logs import log_events
 from contracts.restart import memory_tier_env
 from worker import local_ranks
-from worker.ranks import PEER_GRACE_S
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,10 +83,9 @@ class LocalRun:
         self.launcher.send_signal(signum)
 
     def wait(self, timeout: float, on_poll: Callable[[LocalRun], None] | None = None) -> list[int]:
-        """Wait for all ranks; stop the rest (with their helpers) `PEER_GRACE_S` after one
-        fails, as on a node; kill everything on timeout."""
+        """Wait for all ranks (the launcher stops the rest `PEER_GRACE_S` after one fails,
+        as a node task does: `worker.ranks.fork_ranks`); kill everything on timeout."""
         deadline = time.monotonic() + timeout
-        failed_at = None
         while time.monotonic() < deadline:
             codes = self.poll()
             if all(c is not None for c in codes):
@@ -96,10 +94,6 @@ class LocalRun:
                 return codes
             if on_poll is not None:
                 on_poll(self)
-            if failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_S:
-                self.kill()
             time.sleep(0.1)
         self.kill()
         raise TimeoutError(f"ranks still running after {timeout}s; logs: {self.logs}")
