@@ -200,15 +200,15 @@ def measure_pace(
     say: Callable[[str], None],
 ) -> float:
     """Seconds per step of `spec`'s job on this machine, saves included (`pace_s` over
-    checkpoint intervals, as the scores read it): PACE_STEPS steps of the baseline's script
-    without faults, the reference's pace. A VM's step time varies threefold between days,
-    so a soak's `--minutes` is turned into steps by this, not by a figure from another day."""
-    trial = {**spec, "faults": [], "training": {**spec["training"], "train_steps": PACE_STEPS}}
-    run = run_baseline(trial, None, cluster, work, home, PACE_BUDGET_S, say, "pace")
+    checkpoint intervals, as the scores read it): `spec`, a short clean run (PACE_STEPS),
+    trained by the baseline's script, at the reference's pace. A VM's step time varies
+    threefold between days, so a soak's `--minutes` is turned into steps by this, not by a
+    figure from another day."""
+    run = run_baseline(spec, None, cluster, work, home, PACE_BUDGET_S, say, "pace")
     pace = pace_s(run.progress, int(spec["checkpoint"]["interval_steps"]))
-    if run.progress.max_step < PACE_STEPS or pace is None:
+    if run.progress.max_step < run.target_steps or pace is None:
         raise PaceError(
-            f"the pace run stopped at step {run.progress.max_step} of {PACE_STEPS} "
+            f"the pace run stopped at step {run.progress.max_step} of {run.target_steps} "
             f"({run.final_state}; logs in {work / 'logs'})"
         )
     return pace
