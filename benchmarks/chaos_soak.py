@@ -53,6 +53,7 @@ from benchmarks.soak.baseline import (
     save_reference,
 )
 from benchmarks.soak.driver import SystemRun
+from benchmarks.soak.faults import PREEMPT_GRACE_S
 from benchmarks.soak.nightwatch import run_nightwatch
 from benchmarks.soak.record import RUN_RECORD, RecordMismatch, from_record, to_record
 from benchmarks.soak.reference import PlanError, ReferencePlan, Segment
@@ -187,6 +188,9 @@ def soak_spec(mode: Mode, schedule: Schedule | None, data: dict[str, str]) -> di
         # them); rollback_skip_steps only widens a window known from scrapes alone.
         "recovery": {
             "hang_floor_seconds": HANG_FLOOR_S,
+            # The driver's preemption kills PREEMPT_GRACE_S after its TERM, as a partition's
+            # GraceTime would: the spec says so, as an operator copies the partition's.
+            "preemption_grace_seconds": PREEMPT_GRACE_S,
             "max_excluded_nodes": max(2, node_faults),
             "rollback_skip_steps": ROLLBACK_SKIP_STEPS,
         },

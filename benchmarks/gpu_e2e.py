@@ -25,7 +25,7 @@ Results go to OUT/result.json and a table on stdout. The host must have been pre
     python3 benchmarks/gpu_e2e.py --out $OUT --nodes 1 --model 1.3b --steps 30 --no-clean \
         --faults crash --restart-paths in_job resubmit
     python3 benchmarks/gpu_e2e.py --out $OUT --nodes 2 --gpu-shared --model 1.3b --steps 40 \
-        --no-clean --faults preempt --restart-paths in_job no_successor
+        --no-clean --faults preempt --restart-paths in_job no_successor train_through
 """
 
 from __future__ import annotations
@@ -62,14 +62,17 @@ MODELS = {
     "125m": (12, 768, 12, 1024),
     "tiny": (2, 128, 4, 256),
 }
-#: How a remedy's next attempt starts (`recovery.restart_in_job`, `checkpoint.in_memory`):
-#: inside the running job loading from the memory tier, inside the job loading from disk, or
-#: as a new job (cancel + sbatch), the path every remedy took before.
+#: How a remedy's next attempt starts (`recovery.restart_in_job`, `checkpoint.in_memory`,
+#: `recovery.prepare_successor`, `recovery.preemption_grace_seconds`): inside the running job
+#: loading from the memory tier, inside the job loading from disk, or as a new job (cancel +
+#: sbatch), the path every remedy took before; for a preemption, with a grace the ranks train
+#: through until the successor is ready (`megatron_runs.handover`).
 RESTART_PATHS = {
-    "in_job": (True, True, True),
-    "in_job_disk": (True, False, True),
-    "resubmit": (False, True, False),
-    "no_successor": (True, True, False),
+    "in_job": (True, True, True, 0.0),
+    "in_job_disk": (True, False, True, 0.0),
+    "resubmit": (False, True, False, 0.0),
+    "no_successor": (True, True, False, 0.0),
+    "train_through": (True, True, True, 120.0),
 }
 #: The step at which `preempt` sends TERM to the run's job.
 PREEMPT_AT_STEP = 25
@@ -415,6 +418,11 @@ def one_run(
         if stop is not None and end is not None:
             result["term_to_stopping_s"] = round(stop["ts"] - term["term_t"], 2)
             result["stopping_to_train_end_s"] = round(end["ts"] - stop["ts"], 2)
+        # what the preemption cost: no step from the old attempt's last to the new one's first
+        first = [r for r in records if r.get("event") == "step" and r.get("attempt", 0) == 1]
+        if first and later:
+            result["steps_after_term"] = len({r["step"] for r in first if r["ts"] > term["term_t"]})
+            result["last_to_first_step_s"] = round(later[0]["ts"] - first[-1]["ts"], 2)
     print(json.dumps(result), flush=True)
     return result
 
@@ -479,8 +487,12 @@ def main() -> None:
             for path in args.restart_paths:
                 sections = dict(FAULTS[fault])
                 nodes = sections.pop("nodes", 1)
-                in_job, in_memory, successor = RESTART_PATHS[path]
-                sections["recovery"] = {"restart_in_job": in_job, "prepare_successor": successor}
+                in_job, in_memory, successor, grace = RESTART_PATHS[path]
+                sections["recovery"] = {
+                    "restart_in_job": in_job,
+                    "prepare_successor": successor,
+                    "preemption_grace_seconds": grace,
+                }
                 sections["checkpoint"] = {**sections.get("checkpoint", {}), "in_memory": in_memory}
                 if in_job and args.spare_nodes:
                     sections["resources"] = {"spare_nodes": args.spare_nodes}

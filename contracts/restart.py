@@ -64,6 +64,43 @@ def job_control_dir(run_dir: Path, job_id: str) -> Path:
     return Path(run_dir) / "jobs" / job_id
 
 
+LEAVE_NAME = "leave"
+
+
+def request_leave(control_dir: Path) -> None:
+    """Ask the job's ranks, should they be training on through a stop signal, to leave at
+    their next step: the supervisor stops the job itself, and its TERM is no preemption whose
+    grace is worth training through (`megatron_runs.handover`)."""
+    control_dir.mkdir(parents=True, exist_ok=True)
+    (control_dir / LEAVE_NAME).touch()
+
+
+def leave_requested(control_dir: Path) -> bool:
+    return (control_dir / LEAVE_NAME).exists()
+
+
+def standby_ready_dir(run_dir: Path, attempt: int) -> Path:
+    """Where the node tasks of attempt `attempt`'s standby job that will run its ranks each
+    leave an empty file named after their node once they imported the training program: the
+    ranks of the attempt before it, training through a stop signal, leave once all are there
+    (`megatron_runs.handover`)."""
+    return Path(run_dir) / "standby" / f"a{attempt}"
+
+
+def mark_standby_ready(run_dir: Path, attempt: int, node: str) -> None:
+    folder = standby_ready_dir(run_dir, attempt)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / node).touch()
+
+
+def standby_ready(run_dir: Path, attempt: int, nodes: int) -> bool:
+    """Whether `nodes` of attempt `attempt`'s standby nodes are ready (`standby_ready_dir`)."""
+    try:
+        return sum(1 for _ in standby_ready_dir(run_dir, attempt).iterdir()) >= nodes
+    except OSError:
+        return False
+
+
 def write_order(control_dir: Path, order: RestartOrder) -> Path:
     """Publish `order` (write, fsync, rename): a reader sees the old order or the new one,
     never half of one, and the order survives a crash of the writer's host."""

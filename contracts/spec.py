@@ -406,6 +406,15 @@ class RecoverySpec(_Strict):
         "warning, submit the next attempt's job at once (its nodes import the training "
         "program and wait), so the requeue starts it by an order instead of a cold sbatch.",
     )
+    preemption_grace_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        le=3600,
+        description="The partition's preemption GraceTime (scontrol show partition): how "
+        "long a preempted job runs between SLURM's TERM and its kill. The ranks save at the "
+        "TERM and train on through it until the next attempt's standby job is ready or the "
+        "grace runs short, as they do through a walltime warning's lead. 0: they leave at once.",
+    )
     restart_wait_seconds: float = Field(
         default=120.0,
         gt=0,

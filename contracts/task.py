@@ -30,6 +30,12 @@ class TrainContext:
     #: The run's mean time between failures as the supervisor estimates it (the
     #: `checkpoint.interval_auto` interval's input; None: the spec's prior).
     mtbf_seconds: float | None = None
+    #: The lead of the job's walltime warning (USR2), as it was submitted: how long the ranks
+    #: may train on after it (`megatron_runs.handover`). 0: unknown, they leave at once.
+    signal_lead_s: float = 0.0
+    #: Whether ranks training on after a stop signal may leave now: the next attempt's standby
+    #: nodes are all ready, or the supervisor is stopping this job (None: neither will say).
+    handover_ready: Callable[[], bool] | None = None
 
 
 def node_name() -> str:

@@ -2,7 +2,8 @@
 
 Every rank runs this (imported lazily by `train`). One small all-reduce per step carries the
 loss (from the last pipeline stage) and the stop request (USR2/TERM seen by any rank), so all
-ranks agree on what happened and stop at the same step boundary. Faults are injected only
+ranks agree on what happened and stop at the same step boundary (after training through the
+signal while the next attempt's job gets ready, `megatron_runs.handover`). Faults are injected only
 through `Trainer.faults`, at the fixed points named in `megatron_runs.faults`.
 """
 
@@ -24,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from contracts import anomalies, exitcodes  # noqa: E402
 from contracts.spec import RunSpec  # noqa: E402
 from contracts.task import TrainContext  # noqa: E402
-from megatron_runs import replicas  # noqa: E402
+from megatron_runs import handover, replicas  # noqa: E402
 from megatron_runs.anomaly import (  # noqa: E402
     LossTrend,
     SkipBudget,
@@ -44,10 +45,10 @@ from megatron_runs.setup import SetupClock, StopFlag, Trainer, set_up  # noqa: E
 from megatron_runs.train import TrainResult  # noqa: E402
 
 #: The step's all-reduced stats: loss sum, microbatch count, stop signal, the save interval
-#: rank 0 proposes (0: none); then one slot per node of the job, set where a device of that
-#: node made non-finite gradients; then one slot per sample of the global batch, its own loss
-#: (`megatron_runs.anomaly` judges them).
-STATS_FIXED = 4
+#: rank 0 proposes (0: none), whether rank 0 says leave now (after a stop signal); then one
+#: slot per node of the job, set where a device of that node made non-finite gradients; then
+#: one slot per sample of the global batch, its own loss (`megatron_runs.anomaly` judges them).
+STATS_FIXED = 5
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class _Step:
     signum: int
     #: The save interval rank 0 proposed at this step (0: none).
     interval: int
+    #: Whether and how rank 0 said leave at this step (a `handover` code: a stop signal came
+    #: earlier and its handover is due).
+    leave: int
     #: Per node of the job: nonzero where a device of that node made non-finite gradients.
     made_nan: list[float]
     #: Per global rank: its busy time this step (before the all-reduce).
@@ -129,8 +133,16 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
     )  # fmt: skip
 
     bad: anomalies.Anomaly | None = None
+    watch = handover.Handover(ctx.handover_ready)
+    signalled = 0  # the stop signal the ranks agreed on so far (TERM outranks USR2)
+    step_s = 0.0
     while tr.step < target:
-        done = _train_step(spec, ctx, tr, plan, stop, checkpoints.proposed)
+        leave = handover.GO_ON
+        if tr.rank == 0 and watch.due(time.monotonic()):
+            since = tr.step + 1 - checkpoints.newest_step
+            leave = handover.leave_code(since, step_s, checkpoints.last_seconds)
+        done = _train_step(spec, ctx, tr, plan, stop, checkpoints.proposed, leave)
+        step_s = done.wall
         checkpoints.proposed = 0  # carried to every rank by this step's all-reduce
         tr.step, tr.cursor = done.step, done.cursor
         losses.append(done.loss)
@@ -151,20 +163,35 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
                 was=checkpoints.interval, mtbf_seconds=round(checkpoints.mtbf_seconds),
             )  # fmt: skip
             checkpoints.interval = done.interval
-        stop_requested = done.signum > 0
-        leaving = stop_requested and done.step < target  # a signal at the last step: no matter
-        if leaving:
-            _announce_stop(ctx, tr, done)
-        # Not on a stop signal: its lead time is the checkpoint's (the curve misses one point).
-        if t.eval_interval and done.step % t.eval_interval == 0 and not stop_requested:
+        new_signal = done.signum if done.signum > signalled else 0
+        signalled = max(signalled, done.signum)
+        leaving = done.leave != handover.GO_ON
+        if new_signal:
+            allowed = handover.allowed_seconds(
+                new_signal, ctx.signal_lead_s, spec.recovery.preemption_grace_seconds
+            )
+            if handover.train_on_seconds(allowed, 0.0, 0.0) <= 0:
+                leaving = True  # the same on every rank: the signal, the lead and the grace
+            elif tr.rank == 0:
+                save_s = checkpoints.last_seconds
+                watch.begin(time.monotonic(), handover.train_on_seconds(allowed, save_s, done.wall))
+        leaving = leaving and done.step < target  # a signal at the last step: no matter
+        if new_signal and done.step < target:
+            _announce_stop(ctx, tr, done, leaving)
+        # Not after a stop signal: its lead time is the checkpoints' (the curve misses points).
+        if t.eval_interval and done.step % t.eval_interval == 0 and not signalled:
             tr.last_eval = (done.step, _evaluate(spec, tr, plan, done.step))
-        if done.step % checkpoints.interval == 0 or done.step >= target or stop_requested:
+        saves = done.step % checkpoints.interval == 0 or done.step >= target
+        if saves or (leaving and done.leave != handover.LEAVE_UNSAVED):
             finish_param_gather(tr.model)
             checkpoints.save(
                 tr.model, tr.optimizer, tr.step, tr.cursor, done.loss, tuple(trend.losses),
                 done.wall, tr.last_eval,
             )  # fmt: skip
         if leaving:
+            if done.leave != handover.GO_ON:
+                resume = checkpoints.newest_step
+                tr.log("handover", step=done.step, resume_step=resume, saved=resume == done.step)
             exit_code = exitcodes.REQUEUE
             break
 
@@ -179,11 +206,18 @@ def run(spec: RunSpec, ctx: TrainContext) -> TrainResult:
 
 
 def _train_step(
-    spec: RunSpec, ctx: TrainContext, tr: Trainer, plan: _Plan, stop: StopFlag, proposed: int
+    spec: RunSpec,
+    ctx: TrainContext,
+    tr: Trainer,
+    plan: _Plan,
+    stop: StopFlag,
+    proposed: int,
+    leave: int,
 ) -> _Step:
     """Forward, backward and optimizer step of step `tr.step + 1` on this rank's share of the
     global batch, then the one all-reduce of its loss, stop signal, the save interval rank 0
-    proposes (`proposed`, 0 elsewhere), non-finite flags and each sample's loss."""
+    proposes (`proposed`, 0 elsewhere), whether and how rank 0 says leave (`leave`, a
+    `handover` code), non-finite flags and each sample's loss."""
     step_start = time.perf_counter()
     step = tr.step + 1
     t = spec.training
@@ -210,7 +244,13 @@ def _train_step(
     reported = float(len(out)) if plan.loss_reporter else 0.0
     nodes, ranks = len(tr.nodes), tr.world
     stats = torch.tensor(
-        [0.0, reported, float(stop.signum), float(proposed if tr.rank == 0 else 0)]
+        [
+            0.0,
+            reported,
+            handover.signal_code(stop.signum, tr.world),
+            float(proposed if tr.rank == 0 else 0),
+            float(leave),
+        ]
         + [0.0] * (nodes + ranks),
         dtype=torch.float64,
         device=tr.device,
@@ -228,7 +268,7 @@ def _train_step(
     stats = torch.cat([stats, per_sample])
     torch.distributed.all_reduce(stats)
     values = stats.tolist()
-    loss_sum, count, signum, interval = values[:STATS_FIXED]
+    loss_sum, count, signals, interval, leaving = values[:STATS_FIXED]
     made_nan = values[STATS_FIXED : STATS_FIXED + nodes]
     per_rank_end = STATS_FIXED + nodes + ranks
     return _Step(
@@ -239,8 +279,9 @@ def _train_step(
         grad_norm=float(grad_norm) if ok and grad_norm is not None else math.nan,
         lr=lr,
         ok=ok,
-        signum=int(signum),
+        signum=handover.signal_seen(signals, tr.world),
         interval=int(interval),
+        leave=int(leaving),
         made_nan=made_nan,
         rank_busy=values[STATS_FIXED + nodes : per_rank_end],
         indices=taken.indices,
@@ -351,15 +392,16 @@ def _judge_nodes(ctx: TrainContext, tr: Trainer, done: _Step, watch: StragglerWa
                window_steps=steps)  # fmt: skip
 
 
-def _announce_stop(ctx: TrainContext, tr: Trainer, done: _Step) -> None:
-    """Record, before the save this step leaves on, that the ranks stop on a signal: the
-    supervisor reads the line at once and prepares the next job while the save runs."""
+def _announce_stop(ctx: TrainContext, tr: Trainer, done: _Step, leaving: bool) -> None:
+    """Record, before the save this step makes, that the ranks stop on a signal (now, or
+    after training through it: `leaving`): the supervisor reads the line at once and
+    prepares the next job while the save runs, or while they train on."""
     if tr.rank == 0:
         record = anomalies.Anomaly(
             attempt=ctx.attempt, step=done.step, kind=anomalies.STOP_SIGNAL, t=time.time()
         )
         anomalies.append(tr.root, record)
-    tr.log("stopping_on_signal", step=done.step, signal=done.signum)
+    tr.log("stopping_on_signal", step=done.step, signal=done.signum, at_once=leaving)
 
 
 def _stop_on_budget(

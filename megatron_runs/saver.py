@@ -67,6 +67,10 @@ class Checkpointer:
         self.pending: async_save.PendingSave | None = None
         self.started = 0.0  # when the save in flight began
         self.step_seconds = 0.0  # the wall time of the step before the save in flight
+        self.last_seconds = 0.0  # how long the newest published save took, start to publish
+        #: The step of the newest checkpoint there is or will be once the save in flight is
+        #: published (the one resumed from, before any save).
+        self.newest_step = resumed_from or 0
         self.stall = 0.0  # how long the loop has waited for it so far
         self.tier = tier
         self.captured_step: int | None = None  # the newest save copied into the tier
@@ -95,6 +99,7 @@ class Checkpointer:
             try:
                 if self.spec.async_save:
                     self.pending = self.writer.start(model, optimizer, target)
+                    self.newest_step = step
                     self._capture(model, optimizer, target)
                     self.stall = time.perf_counter() - t0
                     return
@@ -102,6 +107,7 @@ class Checkpointer:
             except dist_ckpt.STORAGE_ERRORS as exc:
                 self._failed(step, time.perf_counter() - t0, exc)
                 return
+            self.newest_step = step
             self._capture(model, optimizer, target)
             duration = time.perf_counter() - t0
             self._published(step, path, duration, duration)
@@ -186,6 +192,7 @@ class Checkpointer:
     def _published(self, step: int, path: Path, duration: float, stall: float) -> None:
         """`duration`: from the save's start until published; `stall`: how long the loop
         waited for it (the same for a synchronous save)."""
+        self.last_seconds = duration
         if self.metrics is not None:
             self.metrics.on_checkpoint(step, duration, ok=True)
         self.log(

@@ -88,6 +88,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip", type=_skip, action="append", default=[], metavar="START:END")
     ap.add_argument("--metrics-port", type=int)
     ap.add_argument("--stop-at-step", type=int)
+    ap.add_argument(
+        "--signal-lead",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="the lead of the job's walltime warning (sbatch --signal=USR2@SECONDS): after it "
+        "the ranks train on until --handover-file exists or the lead runs short (0: leave at once)",
+    )
+    ap.add_argument(
+        "--handover-file",
+        type=Path,
+        help="after a stop signal, leave once this file exists (the next job is ready)",
+    )
     return ap.parse_args(argv)
 
 
@@ -104,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         skip_ranges=args.skip,
         metrics_port=args.metrics_port,
         stop_at_step=args.stop_at_step,
+        signal_lead_s=args.signal_lead,
+        handover_ready=args.handover_file.exists if args.handover_file else None,
     )
     return train(spec, ctx).exit_code
 

@@ -218,6 +218,7 @@ def training_task(plan: SubmitPlan) -> TrainingTask:
         env=tuple(sorted(job_env(plan).items())),
         ranks_per_task=plan.spec.resources.gpus_per_node,
         gpus_required=gpus_required(plan.spec),
+        signal_lead_s=float(plan.signal_delay_s),
         **_restart_fields(plan),
     )
 

@@ -35,8 +35,11 @@ from contracts.restart import (
     exit_code_path,
     failed_exit,
     job_control_dir,
+    leave_requested,
+    mark_standby_ready,
     memory_tier_env,
     read_exit_codes,
+    standby_ready,
 )
 from contracts.spec import RunSpec
 from contracts.task import TrainContext, node_name
@@ -140,6 +143,9 @@ class TrainingTask:
     #: `standby_wait_s` for the order that starts attempt `attempt` (and ends without one).
     standby: bool = False
     standby_wait_s: float = 0.0
+    #: The lead of the job's walltime warning (sbatch `--signal=USR2@lead`): the ranks train
+    #: on through it (`megatron_runs.handover`). 0: unknown, they leave at once.
+    signal_lead_s: float = 0.0
     #: A reserve job's task (`supervisor.launcher.ReserveFor`): the running job whose spares
     #: its nodes are. Its node tasks act as that job's: they read its orders, start as spares
     #: of its current attempt (`nodes`, `job_folder`) and run the ranks an order gives them
@@ -279,6 +285,8 @@ class TrainingTask:
         `restart_wait_s` (at once when they all ended cleanly: the job is done). A standby
         job's nodes wait `standby_wait_s` for the order that starts their attempt."""
         if self.standby:
+            if self.run_dir and node_name() in self._nodes(info):
+                mark_standby_ready(Path(self.run_dir), self.attempt, node_name())
             log.info("standby: waiting %.0f s for the order", self.standby_wait_s,
                      extra=self._context(info.job_id))  # fmt: skip
             return watch.wait(self.standby_wait_s)
@@ -344,6 +352,19 @@ class TrainingTask:
             num_nodes=len(nodes),
         )
 
+    def _handover_ready(self, job_id: str, nodes: int) -> Callable[[], bool] | None:
+        """For ranks training on through a stop signal: whether the next attempt's standby
+        nodes are all ready, or the supervisor is stopping this job (None: no orders here)."""
+        if not (self.run_dir and self.restart_wait_s):
+            return None
+        run_dir, after = Path(self.run_dir), self.attempt + 1
+        control = job_control_dir(run_dir, job_id)
+
+        def ready() -> bool:
+            return standby_ready(run_dir, after, nodes) or leave_requested(control)
+
+        return ready
+
     def _context(self, job_id: str) -> dict[str, object]:
         return {"run_id": self.run_id, "attempt": self.attempt, "job_id": job_id}
 
@@ -401,6 +422,8 @@ class TrainingTask:
             on_metrics_ready=registrar.start if registrar else None,
             stop_at_step=self.stop_at_step,
             mtbf_seconds=self.mtbf_seconds,
+            signal_lead_s=self.signal_lead_s,
+            handover_ready=self._handover_ready(info.job_id, spec.resources.nodes),
         )
         if early.signum is not None:
             log.warning("stop signal %d before training started", early.signum, extra=context)

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from contracts import anomalies, checkpoints
 from contracts.paths import attempt_log_dir, checkpoint_dir, reserve_log_dir, run_dir
-from contracts.restart import RestartOrder, job_control_dir, write_order
+from contracts.restart import RestartOrder, job_control_dir, request_leave, write_order
 from contracts.spec import RunSpec
 from supervisor import accounting, store
 from supervisor.auth import Scope
@@ -773,8 +773,7 @@ class Actuator:
 
     def _stop_job(self, ctx: ActContext) -> None:
         if ctx.job_id and ctx.job_active:
-            with self._side_effect():
-                self.cluster.cancel(ctx.job_id)
+            self._cancel(ctx.run_id, ctx.job_id)
         with self.db.write_session() as s:
             attempt = _attempt(s, ctx.run_id, ctx.attempt)
             if attempt is not None and attempt.ended_at is None:
@@ -782,6 +781,15 @@ class Actuator:
                 if ctx.job_active:
                     fields.update(state=AttemptState.CANCELLED, end_reason="cancelled by watchdog")
                 store.update_attempt(s, ctx.run_id, ctx.attempt, **fields)
+
+    def _cancel(self, run_id: str, job_id: str) -> None:
+        """Cancel `job_id`, having first asked its ranks to leave at their next step should
+        they be training on through a stop signal (`contracts.restart.request_leave`): the
+        cancel's own TERM is then no grace to train through."""
+        with contextlib.suppress(OSError):  # the cancel's TERM still stops them, later
+            request_leave(job_control_dir(run_dir(self.config.home, run_id), job_id))
+        with self._side_effect():
+            self.cluster.cancel(job_id)
 
     def _exclude_nodes(self, run: Run, remedy: Remedy, ctx: ActContext) -> None:
         spec = RunSpec.model_validate(run.spec_json)
@@ -837,8 +845,7 @@ class Actuator:
             return True
         try:
             if job_id and active:
-                with self._side_effect():
-                    self.cluster.cancel(job_id)
+                self._cancel(run_id, job_id)
         except SourceUnavailable as exc:
             log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(run_id, attempt))
             return False
@@ -869,8 +876,7 @@ class Actuator:
         key = self._begin(run_id, attempt, ActionKind.CANCEL, job_id, evidence)
         log.warning(f"cancelling job {job_id}: {reason}", extra=_ctx(run_id, attempt))
         try:
-            with self._side_effect():
-                self.cluster.cancel(job_id)
+            self._cancel(run_id, job_id)
         except SourceUnavailable as exc:
             log.warning(f"cancel failed, will retry: {exc}", extra=_ctx(run_id, attempt))
             return
