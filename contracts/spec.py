@@ -411,9 +411,10 @@ class RecoverySpec(_Strict):
         ge=0,
         le=3600,
         description="The partition's preemption GraceTime (scontrol show partition): how "
-        "long a preempted job runs between SLURM's TERM and its kill. The ranks save at the "
-        "TERM and train on through it until the next attempt's standby job is ready or the "
-        "grace runs short, as they do through a walltime warning's lead. 0: they leave at once.",
+        "long a preempted job runs between SLURM's TERM and its kill. The ranks train on "
+        "through it until the next attempt's standby job is ready or the grace runs short, "
+        "then save and leave, as they do through a walltime warning's lead. 0: they save and "
+        "leave at once.",
     )
     restart_wait_seconds: float = Field(
         default=120.0,

@@ -3,10 +3,11 @@
 A walltime warning (USR2) comes the stop signal's lead before the time limit, a preemption
 (TERM) the partition's grace time before the kill. Leaving at once hands the run to a job
 that still has to import the training program: every second of that import is a second no
-one trains. So the ranks save at the signal (a durable point, whatever follows) and train on
-until the standby job prepared for the next attempt says its nodes are ready
-(`contracts.restart.standby_ready`), or until the time SLURM leaves runs short. Then they
-save again and leave with 75, and the requeue's order starts the next attempt on warm nodes.
+one trains. So the ranks announce the stop (the supervisor prepares that job at once) and
+train on, interval saves included, until the standby job prepared for the next attempt says
+its nodes are ready (`contracts.restart.standby_ready`), or until the time SLURM leaves runs
+short. Then they save and leave with 75, and the requeue's order starts the next attempt on
+warm nodes.
 
 Global rank 0 decides when to leave and the step's all-reduce carries its decision, so every
 rank leaves at the same step boundary; it leaves on the newest save, without another, when the
