@@ -30,6 +30,14 @@ from worker import local_ranks
 _ROOT = Path(__file__).resolve().parents[1]
 
 
+#: Where `free_port` looks: below the dev clusters' fixed ports (17900 and up in the soak,
+#: 18600 and 18900 in the tests), the rendezvous ports of Nightwatch's jobs (20000-29999,
+#: `worker.env.master_port`) and of the soak baseline's (30000 and up), and Linux's ephemeral
+#: range (32768 and up). A server started on a port a job's rank 0 later derives from its job
+#: id failed that job with EADDRINUSE.
+FREE_PORTS = range(10000, 17000)
+
+
 def free_port() -> int:
     """A free loopback TCP port below Linux's ephemeral range (32768+), for a server that
     binds it later: rank 0's TCPStore here, and every server the demo, tests and benchmarks
@@ -37,18 +45,19 @@ def free_port() -> int:
 
     A port from bind(0) lies in the ephemeral range, and between closing it and the server
     binding it the kernel may hand it to some process's outgoing connection (seen as
-    EADDRINUSE on a busy host). Ports below that range are never handed out so.
+    EADDRINUSE on a busy host). Ports below that range are never handed out so. They come
+    from `FREE_PORTS`, clear of every port a job binds by a fixed rule.
     """
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20000, 32000)
+        port = rng.randrange(FREE_PORTS.start, FREE_PORTS.stop)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in 20000-32000")
+    raise RuntimeError(f"no free port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1}")
 
 
 @dataclass

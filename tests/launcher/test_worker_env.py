@@ -7,7 +7,15 @@ import socket
 import pytest
 
 from contracts.task import node_name
-from worker.env import TaskInfo, dist_env, master_addr, master_port
+from worker.env import (
+    MASTER_PORT_BASE,
+    MASTER_PORT_SPAN,
+    TaskInfo,
+    dist_env,
+    master_addr,
+    master_port,
+)
+from worker.local_launch import FREE_PORTS, free_port
 from worker.registration import Registrar
 
 from .cluster_helpers import wait_until
@@ -121,3 +129,10 @@ def test_every_node_of_an_ordered_attempt_finds_the_same_port(tmp_path, monkeypa
     }
     first = dist_env(task._scheduled(job), resolves=lambda h: True)["MASTER_PORT"]  # type: ignore[arg-type]
     assert len(ports) == 1 and first not in ports
+
+
+def test_free_ports_stay_clear_of_the_ports_jobs_bind_by_rule() -> None:
+    rendezvous = range(MASTER_PORT_BASE, MASTER_PORT_BASE + MASTER_PORT_SPAN)
+    assert FREE_PORTS.stop <= rendezvous.start  # and the soak baseline's, above them
+    assert FREE_PORTS.stop <= 17900  # the dev clusters' fixed ports (the soak's default)
+    assert all(free_port() in FREE_PORTS for _ in range(20))
