@@ -393,9 +393,9 @@ def _judge_nodes(ctx: TrainContext, tr: Trainer, done: _Step, watch: StragglerWa
 
 
 def _announce_stop(ctx: TrainContext, tr: Trainer, done: _Step, leaving: bool) -> None:
-    """Record, before the save this step makes, that the ranks stop on a signal (now, or
-    after training through it: `leaving`): the supervisor reads the line at once and
-    prepares the next job while the save runs, or while they train on."""
+    """Record that the ranks stop on a signal, now (`leaving`: before the save they leave on)
+    or after training through it: the supervisor reads the line at once and prepares the next
+    job while the save runs, or while they train on."""
     if tr.rank == 0:
         record = anomalies.Anomaly(
             attempt=ctx.attempt, step=done.step, kind=anomalies.STOP_SIGNAL, t=time.time()

@@ -205,8 +205,7 @@ class TrainingTask:
         does not use (a spare) waits for the order that uses it, or for the attempt's end.
         The node's outcome once no order came (or restarts inside the job are off)."""
         task = self
-        restarts = bool(self.run_dir and self.restart_wait_s)
-        tiers = _memory_tiers(self.ranks_per_task) if self.memory_tier and restarts else {}
+        tiers = _memory_tiers(self.ranks_per_task) if self.memory_tier and self.orders else {}
         while True:
             watch = task._order_watch(info)
             placed = task._scheduled(info)
@@ -255,7 +254,7 @@ class TrainingTask:
 
     def _order_watch(self, info: TaskInfo) -> OrderWatch | None:
         """A watch on the job's restart orders (None: no restarts inside this job)."""
-        if not (self.run_dir and self.restart_wait_s):
+        if not self.orders:
             return None
         return OrderWatch(job_control_dir(Path(self.run_dir), info.job_id), self.follows)
 
@@ -272,6 +271,11 @@ class TrainingTask:
             return node_name() in self._ordered(watch.order, info.job_id)._nodes(info)
 
         return needed
+
+    @property
+    def orders(self) -> bool:
+        """Whether the supervisor's orders reach this job's node tasks (restarts inside it)."""
+        return bool(self.run_dir and self.restart_wait_s)
 
     @property
     def follows(self) -> int:
@@ -355,7 +359,7 @@ class TrainingTask:
     def _handover_ready(self, job_id: str, nodes: int) -> Callable[[], bool] | None:
         """For ranks training on through a stop signal: whether the next attempt's standby
         nodes are all ready, or the supervisor is stopping this job (None: no orders here)."""
-        if not (self.run_dir and self.restart_wait_s):
+        if not self.orders:
             return None
         run_dir, after = Path(self.run_dir), self.attempt + 1
         control = job_control_dir(run_dir, job_id)
