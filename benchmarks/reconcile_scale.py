@@ -39,7 +39,7 @@ from supervisor import store
 from supervisor.db import Database
 from supervisor.metrics_in import PrometheusSource
 from supervisor.models import RunState
-from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, Submission
+from supervisor.slurm import JobRequest, JobState, JobStatus, LiveJob, NodeInfo, Submission
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 from worker.local_launch import free_port
 
@@ -97,7 +97,7 @@ class BatchCluster:
     def find_jobs(self, job_name: str) -> list[str]:
         return []
 
-    def live_jobs(self, prefix: str) -> dict[str, str]:
+    def live_jobs(self, prefix: str) -> dict[str, LiveJob]:
         return {}
 
     def finish_submission(self, job_id: str, log_dir: Path) -> bool:

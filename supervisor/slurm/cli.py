@@ -41,6 +41,7 @@ from supervisor.slurm.types import (
     JobRequest,
     JobState,
     JobStatus,
+    LiveJob,
     NodeInfo,
     SourceUnavailable,
     Submission,
@@ -179,10 +180,10 @@ class SlurmCluster:
         ids.update(parse_job_ids(out))
         return sorted(ids, key=job_sort_key)
 
-    def live_jobs(self, prefix: str) -> dict[str, str]:
+    def live_jobs(self, prefix: str) -> dict[str, LiveJob]:
         """This user's jobs still queued or running whose name starts with `prefix`: id →
-        name, in one squeue call (the reconciler's sweep for jobs no run may have)."""
-        out = self._run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%j|%T"])
+        name and nodes, in one squeue call (the reconciler's sweep for jobs no run may have)."""
+        out = self._run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%j|%T|%N"])
         return parse_live_jobs(out, prefix)
 
     def finish_submission(self, job_id: str, log_dir: Path) -> bool:

@@ -25,6 +25,7 @@ from supervisor.slurm.types import (
     JobRequest,
     JobState,
     JobStatus,
+    LiveJob,
     NodeInfo,
     NodeState,
     Submission,
@@ -121,13 +122,14 @@ class LocalCluster:
         with contextlib.suppress(subprocess.TimeoutExpired):  # then poll() says RUNNING still
             process.wait(timeout=CANCEL_WAIT_S)
 
-    def live_jobs(self, prefix: str) -> dict[str, str]:
+    def live_jobs(self, prefix: str) -> dict[str, LiveJob]:
         """This process's running jobs named `prefix…` (a local job dies with its supervisor
         only if its process group is killed; one left by an earlier process is not seen)."""
+        statuses = {job_id: self._status(job_id) for job_id in self._names}
         return {
-            job_id: name
+            job_id: LiveJob(name, statuses[job_id].nodes)
             for job_id, name in self._names.items()
-            if name.startswith(prefix) and self._status(job_id).state is JobState.RUNNING
+            if name.startswith(prefix) and statuses[job_id].state is JobState.RUNNING
         }
 
     def requeue(self, job_id: str) -> None:

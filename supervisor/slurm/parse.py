@@ -14,6 +14,7 @@ import hostlist
 from supervisor.slurm.types import (
     JobState,
     JobStatus,
+    LiveJob,
     NodeInfo,
     NodeState,
     SourceUnavailable,
@@ -156,19 +157,20 @@ def parse_job_ids(text: str) -> list[str]:
     return ids
 
 
-def parse_live_jobs(text: str, prefix: str) -> dict[str, str]:
-    """`squeue -o %i|%j|%T` → {job id: name} of the queued or running jobs named `prefix…`
-    (a COMPLETING job is already on its way out)."""
-    out: dict[str, str] = {}
+def parse_live_jobs(text: str, prefix: str) -> dict[str, LiveJob]:
+    """`squeue -o %i|%j|%T|%N` → {job id: name and nodes} of the queued or running jobs named
+    `prefix…` (a COMPLETING job is already on its way out)."""
+    out: dict[str, LiveJob] = {}
     for line in text.splitlines():
         if not line.strip():
             continue
         job_id, sep, rest = line.strip().partition("|")
-        name, sep2, raw_state = rest.rpartition("|")
-        if not (sep and sep2) or not _JOB_ID.fullmatch(job_id):
+        cols = rest.rsplit("|", 2)
+        if not sep or len(cols) != 3 or not _JOB_ID.fullmatch(job_id):
             raise SourceUnavailable(f"unexpected squeue line: {line!r}")
+        name, raw_state, nodelist = cols
         if name.startswith(prefix) and raw_state != "COMPLETING" and parse_state(raw_state).active:
-            out[job_id] = name
+            out[job_id] = LiveJob(name, tuple(expand_hostlist(nodelist)))
     return out
 
 

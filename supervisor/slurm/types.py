@@ -173,6 +173,15 @@ class JobStatus:
 
 
 @dataclass(frozen=True)
+class LiveJob:
+    """A queued or running job as the sweep for strays lists it."""
+
+    name: str
+    #: The nodes it runs on (empty while it waits).
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class JobRequest:
     """Everything sbatch needs for one attempt; built by `supervisor.launcher` (pure)."""
 
@@ -229,8 +238,8 @@ class Cluster(Protocol):
         """Ids of the jobs named `job_name`, oldest first."""
         ...
 
-    def live_jobs(self, prefix: str) -> dict[str, str]:
-        """Queued or running jobs named `prefix…`: id → name."""
+    def live_jobs(self, prefix: str) -> dict[str, LiveJob]:
+        """Queued or running jobs named `prefix…`: id → name and nodes."""
         ...
 
     def finish_submission(self, job_id: str, log_dir: Path) -> bool:

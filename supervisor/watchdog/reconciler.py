@@ -695,7 +695,7 @@ class Reconciler:
             log.warning(f"listing live jobs failed: {exc}")
             return
         with self.db.session() as s:
-            runs = strays.load_runs(s, live.values())
+            runs = strays.load_runs(s, (job.name for job in live.values()))
         self._standby = set(strays.live_successors(live, runs))
         for stray in strays.find_strays(live, runs):
             self.actuator.cancel_stray(stray.run_id, stray.attempt, stray.job_id, stray.reason)

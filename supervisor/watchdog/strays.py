@@ -7,7 +7,8 @@ ended has no live job, an attempt that was superseded has none, an attempt has o
 reserve job (spares for a running job) lives only while the job it reserves for is current and
 no successor is prepared for it: a job that stops soon needs no more spares (its successor
 takes over a node fault too), and on a full cluster the reserve's nodes are the ones the
-successor waits for.
+successor waits for. A reserve whose node runs the current attempt's ranks (a node fault moved
+them there) is no spare any more: it stays until that attempt ends, as the job's own nodes do.
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ from sqlalchemy.orm import Session
 
 from supervisor.launcher import parse_job_name, parse_reserve_name
 from supervisor.models import TERMINAL_RUN_STATES, Action, ActionState, Attempt, Run, RunState
+from supervisor.slurm import LiveJob
 
 
 @dataclass(frozen=True)
 class RunJobs:
-    """What a run may have running: its current attempt and the job that attempt recorded."""
+    """What a run may have running: its current attempt, the job that attempt recorded and
+    the nodes its ranks run on."""
 
     state: RunState
     current_attempt: int
     job_id: str | None
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,14 +43,15 @@ class Stray:
     reason: str
 
 
-def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[Stray]:
-    """The live jobs (id → name) that their run must not have (pure). Names of runs this
+def find_strays(live: Mapping[str, LiveJob], runs: Mapping[str, RunJobs]) -> list[Stray]:
+    """The live jobs (by id) that their run must not have (pure). Names of runs this
     database does not hold are left alone (not ours to judge); an attempt whose job id is not
     recorded yet keeps the job its submission will adopt by name; a job named after an earlier
     attempt is the current attempt's when that attempt was started inside it."""
     out = []
     successors = live_successors(live, runs)
-    for job_id, name in sorted(live.items()):
+    for job_id, job in sorted(live.items()):
+        name = job.name
         reserve = parse_reserve_name(name)
         if reserve is not None and reserve[0] in runs:
             run = runs[reserve[0]]
@@ -58,7 +63,7 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
             elif reserve[1] not in live:
                 why = f"reserve for job {reserve[1]}, which SLURM no longer runs"
                 out.append(Stray(reserve[0], run.current_attempt, job_id, why))
-            elif reserve[0] in successors:
+            elif reserve[0] in successors and not set(job.nodes) & set(run.nodes):
                 successor = successors[reserve[0]]
                 why = f"reserve for job {reserve[1]}, whose successor {successor} is prepared"
                 out.append(Stray(reserve[0], run.current_attempt, job_id, why))
@@ -82,12 +87,12 @@ def find_strays(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> list[St
     return out
 
 
-def live_successors(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> dict[str, str]:
+def live_successors(live: Mapping[str, LiveJob], runs: Mapping[str, RunJobs]) -> dict[str, str]:
     """Run → the live job named after its next attempt (a successor prepared while the
     current attempt runs on: `Actuator.prepare_successor`), for the runs that go on."""
     out = {}
-    for job_id, name in sorted(live.items()):
-        parsed = parse_job_name(name)
+    for job_id, job in sorted(live.items()):
+        parsed = parse_job_name(job.name)
         if parsed is None or parsed[0] not in runs:
             continue
         run = runs[parsed[0]]
@@ -97,7 +102,8 @@ def live_successors(live: Mapping[str, str], runs: Mapping[str, RunJobs]) -> dic
 
 
 def load_runs(session: Session, job_names: Iterable[str]) -> dict[str, RunJobs]:
-    """The runs named by live jobs, with their current attempt's job id, in one query."""
+    """The runs named by live jobs, with their current attempt's job id and nodes, in one
+    query."""
     ids = sorted(
         {p[0] for name in job_names if (p := parse_job_name(name) or parse_reserve_name(name))}
     )
@@ -105,11 +111,13 @@ def load_runs(session: Session, job_names: Iterable[str]) -> dict[str, RunJobs]:
         return {}
     current = and_(Attempt.run_id == Run.id, Attempt.number == Run.current_attempt)
     rows = session.execute(
-        select(Run.id, Run.state, Run.current_attempt, Attempt.job_id)
+        select(Run.id, Run.state, Run.current_attempt, Attempt.job_id, Attempt.nodes_json)
         .outerjoin(Attempt, current)
         .where(Run.id.in_(ids))
     ).all()
-    return {r.id: RunJobs(r.state, r.current_attempt, r.job_id) for r in rows}
+    return {
+        r.id: RunJobs(r.state, r.current_attempt, r.job_id, tuple(r.nodes_json or ())) for r in rows
+    }
 
 
 def unfinished_on_ended_runs(session: Session) -> list[tuple[str, str, str]]:

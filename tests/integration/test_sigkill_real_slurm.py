@@ -222,7 +222,7 @@ def test_sigkill_after_sbatch_then_cancel_while_down_on_real_slurm(
     try:
         dying = spawn(db_url, home, [*args, "--die-after-sbatch"])
         assert dying.wait(timeout=60) == -signal.SIGKILL
-        assert list(slurm.live_jobs(prefix).values()) == [job_name(run_id, 1)]
+        assert [j.name for j in slurm.live_jobs(prefix).values()] == [job_name(run_id, 1)]
         with db.write_session() as s:
             store.request_cancel(s, run_id)
         finish(db_url, home, args, timeout_s=120)

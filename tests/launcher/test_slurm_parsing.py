@@ -10,6 +10,7 @@ from supervisor.models import AttemptState
 from supervisor.slurm import (
     JobRequest,
     JobState,
+    LiveJob,
     NodeInfo,
     NodeState,
     SlurmCluster,
@@ -316,16 +317,18 @@ def test_task_exit_code(codes, tasks, expected):
 
 def test_live_jobs_are_the_queued_and_running_ones_with_the_prefix() -> None:
     text = (
-        "101|nw-r-1-a1|RUNNING\n"
-        "102|nw-r-1-a2|PENDING\n"
-        "103|nw-r-2-a1|COMPLETING\n"
-        "104|someone-else|RUNNING\n"
-        "105|nw-a|b-a3|SUSPENDED\n"
+        "101|nw-r-1-a1|RUNNING|n[1-2]\n"
+        "102|nw-r-1-a2|PENDING|\n"
+        "103|nw-r-2-a1|COMPLETING|n3\n"
+        "104|someone-else|RUNNING|n4\n"
+        "105|nw-a|b-a3|SUSPENDED|n5\n"
     )
     assert parse_live_jobs(text, "nw-") == {
-        "101": "nw-r-1-a1",
-        "102": "nw-r-1-a2",
-        "105": "nw-a|b-a3",
+        "101": LiveJob("nw-r-1-a1", ("n1", "n2")),
+        "102": LiveJob("nw-r-1-a2"),
+        "105": LiveJob("nw-a|b-a3", ("n5",)),
     }
     with pytest.raises(SourceUnavailable):
         parse_live_jobs("squeue: error: slurm_load_jobs\n", "nw-")
+    with pytest.raises(SourceUnavailable):
+        parse_live_jobs("101|nw-r-1-a1|RUNNING\n", "nw-")

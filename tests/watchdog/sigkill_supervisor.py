@@ -41,7 +41,15 @@ from supervisor import store
 from supervisor.db import Database
 from supervisor.metrics_in import MetricsView, SourceHealth
 from supervisor.models import Action, ActionState, RunState
-from supervisor.slurm import JobRequest, JobState, JobStatus, NodeInfo, NodeState, Submission
+from supervisor.slurm import (
+    JobRequest,
+    JobState,
+    JobStatus,
+    LiveJob,
+    NodeInfo,
+    NodeState,
+    Submission,
+)
 from supervisor.watchdog import outbox
 from supervisor.watchdog.notify import Notifier
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
@@ -90,10 +98,10 @@ class FileCluster:
     def finish_submission(self, job_id: str, log_dir: Path) -> bool:
         return False
 
-    def live_jobs(self, prefix: str) -> dict[str, str]:
+    def live_jobs(self, prefix: str) -> dict[str, LiveJob]:
         with self._state() as st:
             return {
-                j: v["name"]
+                j: LiveJob(v["name"])
                 for j, v in st["jobs"].items()
                 if v["name"].startswith(prefix) and v["state"] in ("PENDING", "RUNNING")
             }

@@ -25,7 +25,7 @@ from supervisor import store
 from supervisor.db import Database
 from supervisor.launcher import parse_reserve_name
 from supervisor.models import Action, ActionState, Attempt, RunState
-from supervisor.slurm import JobState, JobStatus
+from supervisor.slurm import JobState, JobStatus, LiveJob
 from supervisor.watchdog import actions, reconciler, reserves
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 from supervisor.watchdog.reserves import Reserve
@@ -155,6 +155,34 @@ def test_the_next_node_fault_moves_to_the_reserve_inside_the_job(
     assert {"n1", "n2", "n3", "n4"} <= set(request.exclude)
 
 
+def test_a_stop_signal_cancels_the_idle_reserves_and_not_the_one_running_ranks(
+    db: Database, tmp_path: Path
+) -> None:
+    """A second node fault moved the ranks onto the reserve's node n4; a stop signal then
+    prepares the successor. The idle reserve (n5) makes way for it; the one running ranks
+    is kept: the attempt trains on until the successor takes over."""
+    w = Swapped(db, tmp_path)
+    w.rec.tick()
+    first = w.cluster.submitted[-1][0]
+    w.cluster.set(first, JobState.RUNNING)
+    w.rec.tick()
+    w.source.samples[(w.run_id, 2)] = simulate(2, steps=90, steps_per_sample=2)
+    write_checkpoint(w.ckpt, 80, 640)
+    nan_on(w.ckpt, 2, "n1", (85, 86))
+    assert w.rec.tick().remedies[w.run_id].exclude_nodes == ("n1",)
+    w.source.samples[(w.run_id, 3)] = simulate(3, steps=90, steps_per_sample=2)
+    w.rec.tick()
+    second = w.cluster.submitted[-1][0]
+    assert w.cluster.states[second].nodes == ("n5",)
+    w.cluster.set(second, JobState.RUNNING)
+    w.rec.tick()
+    anomalies.append(w.ckpt, anomalies.Anomaly(3, 88, anomalies.STOP_SIGNAL, t=time.time()))
+    w.rec.tick()
+    successor, request = w.cluster.submitted[-1]
+    assert request.job_name == f"nw-{w.run_id}-a4" and w.cluster.tasks[successor].standby
+    assert w.cluster.cancelled == [second]
+
+
 def test_reserves_of_a_job_the_run_left_are_cancelled(db: Database, tmp_path: Path) -> None:
     w = Swapped(db, tmp_path)
     w.rec.tick()
@@ -224,11 +252,11 @@ def test_find_strays_judges_reserves_by_the_job_they_reserve_for() -> None:
         "r2": RunJobs(RunState.SUCCEEDED, 1, "200"),
     }
     live = {
-        "101": "nw-r1-j100-r1",  # the current job's: kept
-        "102": "nw-r1-j99-r1",  # an earlier job's
-        "201": "nw-r2-j200-r1",  # the run ended
-        "301": "nw-r3-j300-r1",  # not this database's run
-        "100": "nw-r1-a2",
+        "101": LiveJob("nw-r1-j100-r1"),  # the current job's: kept
+        "102": LiveJob("nw-r1-j99-r1"),  # an earlier job's
+        "201": LiveJob("nw-r2-j200-r1"),  # the run ended
+        "301": LiveJob("nw-r3-j300-r1"),  # not this database's run
+        "100": LiveJob("nw-r1-a2"),
     }
     strays = {s.job_id: s.reason for s in find_strays(live, runs)}
     assert set(strays) == {"102", "201"}
@@ -241,13 +269,31 @@ def test_find_strays_judges_reserves_by_the_job_they_reserve_for() -> None:
 def test_a_reserve_is_a_stray_once_its_jobs_successor_is_prepared() -> None:
     """A job that stops soon (a walltime near, a stop signal) needs no more spares: its
     successor takes over, and on a full cluster it waits for the reserve's nodes."""
-    runs = {"r1": RunJobs(RunState.RUNNING, 2, "100")}
-    live = {"100": "nw-r1-a2", "101": "nw-r1-j100-r1", "111": "nw-r1-a4"}
+    runs = {"r1": RunJobs(RunState.RUNNING, 2, "100", ("n1", "n2"))}
+    live = {
+        "100": LiveJob("nw-r1-a2", ("n1", "n2", "n3")),
+        "101": LiveJob("nw-r1-j100-r1", ("n4",)),
+        "111": LiveJob("nw-r1-a4"),
+    }
     assert find_strays(live, runs) == []  # a job named after a later attempt is no successor
-    live["110"] = "nw-r1-a3"  # attempt 3's standby job, prepared while attempt 2 runs
+    live["110"] = LiveJob("nw-r1-a3")  # attempt 3's standby job, prepared while attempt 2 runs
     assert [(s.job_id, s.reason) for s in find_strays(live, runs)] == [
         ("101", "reserve for job 100, whose successor 110 is prepared"),
     ]
+
+
+def test_a_reserve_that_runs_the_attempts_ranks_outlives_the_successors_preparation() -> None:
+    """Node faults moved the attempt's ranks onto a reserve's node (n4), then a stop signal
+    came: cancelling that reserve would kill a rank of the attempt that trains on until the
+    successor takes over (a crash, a restart, a hang). It ends with the attempt instead."""
+    runs = {"r1": RunJobs(RunState.RUNNING, 2, "100", ("n1", "n4"))}
+    live = {
+        "100": LiveJob("nw-r1-a2", ("n1", "n2", "n3")),
+        "101": LiveJob("nw-r1-j100-r1", ("n4",)),
+        "102": LiveJob("nw-r1-j100-r2", ("n5",)),
+        "110": LiveJob("nw-r1-a3"),
+    }
+    assert [s.job_id for s in find_strays(live, runs)] == ["102"]
 
 
 @pytest.mark.parametrize("cut", ["before_submit", "after_submit"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from supervisor.launcher import job_name, parse_job_name
 from supervisor.models import RunState
+from supervisor.slurm import LiveJob
 from supervisor.watchdog.strays import RunJobs, Stray, find_strays
 
 
@@ -20,13 +21,13 @@ def test_ended_superseded_and_duplicate_jobs_are_strays() -> None:
         "r-adopt": RunJobs(RunState.PENDING, 1, None),
     }
     live = {
-        "20": job_name("r-done", 2),  # its run was cancelled
-        "29": job_name("r-live", 2),  # attempt 2 was superseded by 3
-        "31": job_name("r-live", 3),  # the current attempt's own job
-        "32": job_name("r-live", 3),  # a second job for attempt 3
-        "40": job_name("r-adopt", 1),  # not recorded yet: its submission adopts it
-        "50": job_name("r-other", 1),  # a run this database does not hold
-        "60": "someone-else",
+        "20": LiveJob(job_name("r-done", 2)),  # its run was cancelled
+        "29": LiveJob(job_name("r-live", 2)),  # attempt 2 was superseded by 3
+        "31": LiveJob(job_name("r-live", 3)),  # the current attempt's own job
+        "32": LiveJob(job_name("r-live", 3)),  # a second job for attempt 3
+        "40": LiveJob(job_name("r-adopt", 1)),  # not recorded yet: its submission adopts it
+        "50": LiveJob(job_name("r-other", 1)),  # a run this database does not hold
+        "60": LiveJob("someone-else"),
     }
     assert find_strays(live, runs) == [
         Stray("r-done", 2, "20", "run cancelled"),

@@ -20,6 +20,7 @@ from supervisor.slurm import (
     JobRequest,
     JobState,
     JobStatus,
+    LiveJob,
     NodeInfo,
     NodeState,
     SourceUnavailable,
@@ -87,9 +88,9 @@ class FakeCluster:
     def finish_submission(self, job_id: str, log_dir: Path) -> bool:
         return False
 
-    def live_jobs(self, prefix: str) -> dict[str, str]:
+    def live_jobs(self, prefix: str) -> dict[str, LiveJob]:
         return {
-            j: r.job_name
+            j: LiveJob(r.job_name, self.states[j].nodes)
             for j, r in self.submitted
             if r.job_name.startswith(prefix) and self.states[j].state.active
         }
