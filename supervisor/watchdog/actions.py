@@ -651,8 +651,11 @@ class Actuator:
 
         Once decided, the decision stands: a remedy resumed after a crash finds its in-job
         start recorded (keyed by the next attempt) and finishes it, whatever the job looks
-        like now. Otherwise, on a run that allows it, while its job holds its nodes: a remedy
-        that indicts no node, or a node exclusion that the job's spares can stand in for."""
+        like now. A job that stops soon (its successor prepared on a stop signal or a near
+        time limit) is left for that successor, while SLURM holds it: a restart inside the
+        ending job would not know of the signal, and would train on until SLURM kills it.
+        Otherwise, on a run that allows it, while its job holds its nodes: a remedy that
+        indicts no node, or a node exclusion that the job's spares can stand in for."""
         with self.db.session() as s:
             begun = s.scalar(
                 select(Action).where(
@@ -664,9 +667,12 @@ class Actuator:
             fleet = store.fleet_excluded_nodes(s)
         if begun is not None:
             return InJob(begun.target, tuple(begun.evidence_json.get("nodes", ())))
-        if remedy.kind is RemedyKind.REQUEUE:
+        if remedy.kind.resubmits:
             successor = self._successor(ctx.run_id, ctx.attempt + 1)
-            return InJob(successor) if successor is not None else None
+            if successor is not None:
+                return InJob(successor)
+        if remedy.kind is RemedyKind.REQUEUE:
+            return None
         spec = RunSpec.model_validate(run.spec_json)
         if not (spec.recovery.restart_in_job and ctx.job_running and ctx.job_id):
             return None

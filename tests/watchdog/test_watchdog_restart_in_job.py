@@ -375,6 +375,31 @@ def test_a_stop_signal_prepares_the_next_job_and_the_requeue_starts_it_by_order(
     assert cluster.cancelled == [job] and get_run(db, run_id).current_attempt == 2
 
 
+def test_ranks_that_fail_while_their_job_stops_restart_in_its_successor(
+    db: Database, tmp_path: Path
+) -> None:
+    """A rank crashed while the ranks trained on through a stop signal: the next attempt
+    starts in the prepared successor by an order, not inside the ending job (whose new
+    ranks would not know of the signal), and the ending job is stopped."""
+    rec, cluster, run_id, job, spec = stopping(db, tmp_path)
+    rec.tick()
+    successor = cluster.submitted[-1][0]
+    cluster.set(successor, JobState.RUNNING)
+    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
+    folder.mkdir(parents=True)
+    exit_code_path(folder, job, 1).write_text("9")
+    exit_code_path(folder, job, 0).write_text("1")
+    assert rec.tick().remedies[run_id].kind is RemedyKind.RESTART
+    assert len(cluster.submitted) == 2 and cluster.cancelled == [job]
+    first, second = attempts(db, run_id)
+    assert first.state is AttemptState.FAILED and second.job_id == successor
+    order = read_order(job_control_dir(run_dir(tmp_path / "home", run_id), successor))
+    assert order is not None and order.attempt == 2
+    assert read_order(job_control_dir(run_dir(tmp_path / "home", run_id), job)) is None
+    (action,) = in_job_actions(db, run_id)
+    assert action.target == successor
+
+
 def test_a_standby_job_slurm_no_longer_holds_is_not_taken(db: Database, tmp_path: Path) -> None:
     """A standby job that ended (its wait ran out, or it was cancelled) is not the next
     attempt's: the requeue submits anew and does not adopt it by its name."""
