@@ -16,6 +16,7 @@ physical GPUs per node), the supervisor on SQLite, and submits GPU specs over th
   job at step 25): the ranks save and leave with 75 and the run is requeued, into the successor
   prepared meanwhile (in_job) or a job submitted then (no_successor); with `--gpu-shared` the
   dev cluster's nodes all use the host's GPUs, so a 1-GPU host has a node for the successor.
+  `preempt_crash` adds a rank crash 8 steps after the TERM, while the ranks train through.
 
 Results go to OUT/result.json and a table on stdout. The host must have been prepared with
 `scripts/gpu-host` (its environment exported), as the device machine has no package registry.
@@ -76,6 +77,9 @@ RESTART_PATHS = {
 }
 #: The step at which `preempt` sends TERM to the run's job.
 PREEMPT_AT_STEP = 25
+#: The least time from the TERM to the kill: SLURM's KillWait default, which ends a
+#: preempted job with no grace time.
+KILL_WAIT_S = 30.0
 
 
 @dataclass
@@ -256,7 +260,13 @@ FAULTS: dict[str, dict[str, Any]] = {
     # Not the trainer's: the benchmark sends SLURM's preemption signal (`preempt_job`). One
     # checkpoint kept, every 20 steps: a 1.3B model's is 17 GB, the lent 1-GPU host's disk 64.
     "preempt": {"checkpoint": {"interval_steps": 20, "keep_last": 1}},
+    # A rank crashes while the ranks train on through the preemption's grace: the restart
+    # belongs in the prepared successor, not in the job SLURM is about to kill.
+    "preempt_crash": {"checkpoint": {"interval_steps": 20, "keep_last": 1},
+                      "faults": [{"kind": "crash", "step": PREEMPT_AT_STEP + 8, "rank": 0}]},
 }  # fmt: skip
+#: The faults whose run `preempt_job` preempts.
+PREEMPTED = frozenset({"preempt", "preempt_crash"})
 
 
 def keep_training_logs(home: Path, out: Path, limit: int = 1_000_000) -> None:
@@ -358,19 +368,31 @@ def seconds_between(a: str | None, b: str | None) -> float | None:
     return round(_epoch(b) - _epoch(a), 2)
 
 
-def preempt_job(stack: Stack, run_id: str, step: int, out: dict[str, float]) -> None:
-    """Once the run reached `step`: TERM to its job, as SLURM preempts (the time in `out`)."""
+def preempt_job(
+    stack: Stack, run_id: str, step: int, grace_s: float, out: dict[str, float]
+) -> None:
+    """Once the run reached `step`: TERM to its job, then once the grace time (at least
+    `KILL_WAIT_S`) is over, if it still runs, a cancel (TERM, then KILL after the dev
+    cluster's KillWait), as SLURM preempts without a requeue (the times in `out`)."""
     while True:
         run = stack.api("GET", f"/v1/runs/{run_id}")
         if run["state"] in TERMINAL:
             return
         steps = [r["step"] for r in training_log(stack.home, run_id) if r.get("event") == "step"]
         if steps and max(steps) >= step and run["attempts"]:
-            job = run["attempts"][-1]["job_id"]
+            job = str(run["attempts"][-1]["job_id"])
             out["term_t"] = time.time()
-            subprocess.run(["scancel", "--signal=TERM", str(job)], env=stack.env, timeout=30)
-            return
+            subprocess.run(["scancel", "--signal=TERM", job], env=stack.env, timeout=30)
+            break
         time.sleep(0.2)
+    time.sleep(max(grace_s, KILL_WAIT_S))
+    state = subprocess.run(
+        ["squeue", "-h", "-j", job, "-o", "%T"], env=stack.env, timeout=30,
+        capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    if state == "RUNNING":
+        out["kill_t"] = time.time()
+        subprocess.run(["scancel", job], env=stack.env, timeout=30)
 
 
 def one_run(
@@ -379,8 +401,9 @@ def one_run(
     run_id = stack.api("POST", "/v1/runs", spec)["id"]
     t0 = time.monotonic()
     term: dict[str, float] = {}
+    grace = float(spec.get("recovery", {}).get("preemption_grace_seconds", 0.0))
     watcher = threading.Thread(
-        target=preempt_job, args=(stack, run_id, PREEMPT_AT_STEP, term), daemon=True
+        target=preempt_job, args=(stack, run_id, PREEMPT_AT_STEP, grace, term), daemon=True
     )
     if preempt:
         watcher.start()
@@ -407,6 +430,8 @@ def one_run(
             time.monotonic() - t0, 1), "last_step": run["last_step"], "attempts": attempts,
         "incidents": found, "final_loss": losses[-1] if losses else None,
     }  # fmt: skip
+    if "kill_t" in term:
+        result["term_to_kill_s"] = round(term["kill_t"] - term["term_t"], 2)
     if "term_t" in term:
         later = [r for r in records if r.get("event") == "step" and r.get("attempt", 0) > 1]
         result["term_to_first_step_s"] = (
@@ -498,7 +523,7 @@ def main() -> None:
                     sections["resources"] = {"spare_nodes": args.spare_nodes}
                 spec = gpu_spec(f"gpu-{fault}-{path}", s.data, args, nodes, per_node, **sections)
                 results["runs"].append(
-                    one_run(s, f"{fault}/{path}", spec, args.run_timeout, fault == "preempt")
+                    one_run(s, f"{fault}/{path}", spec, args.run_timeout, fault in PREEMPTED)
                 )
                 (args.out / "result.json").write_text(json.dumps(results, indent=2))
         (args.out / "result.json").write_text(json.dumps(results, indent=2))
