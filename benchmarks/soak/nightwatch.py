@@ -137,7 +137,9 @@ def recorded_remedies(supervisor: Supervisor, run_id: str) -> tuple[list[Remedy]
             run = s.get(Run, run_id)
             needs_attention = run is not None and run.state.value == "needs_attention"
             remedies = [
-                remedy_of(a.created_at.timestamp(), a.kind, a.evidence_json or {})
+                remedy_of(
+                    a.created_at.timestamp(), a.kind, a.evidence_json or {}, a.result_json or {}
+                )
                 for a in actions
                 if a.kind in REMEDY_KINDS
             ]
@@ -154,8 +156,12 @@ def recorded_remedies(supervisor: Supervisor, run_id: str) -> tuple[list[Remedy]
     return remedies, max(escalations, int(needs_attention))
 
 
-def remedy_of(t: float, kind: str, evidence: dict[str, Any]) -> Remedy:
-    """A recorded action with the cause it names (`actions.remedy_evidence`)."""
+def remedy_of(
+    t: float, kind: str, evidence: dict[str, Any], result: dict[str, Any] | None = None
+) -> Remedy:
+    """A recorded action with the cause it names (`actions.remedy_evidence`) and the job its
+    next attempt started in (its outcome)."""
+    moved = (result or {}).get("job_id")
     return Remedy(
         t,
         kind,
@@ -165,6 +171,7 @@ def remedy_of(t: float, kind: str, evidence: dict[str, Any]) -> Remedy:
         skips=normalized(evidence.get("skip_ranges") or ()),
         finding_nodes=tuple(evidence.get("finding_nodes") or ()),
         attempt_nodes=tuple(evidence.get("attempt_nodes") or ()),
+        moved_to=None if moved is None else str(moved),
     )
 
 

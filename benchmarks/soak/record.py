@@ -64,7 +64,7 @@ def _remedy(r: dict[str, Any]) -> Remedy:
     return Remedy(
         r["t"], r["kind"], tuple(r["nodes"]), r["cause"], r["job_id"],
         tuple(tuple(s) for s in r["skips"]), tuple(r["finding_nodes"]),
-        tuple(r["attempt_nodes"]),
+        tuple(r["attempt_nodes"]), r.get("moved_to"),
     )  # fmt: skip
 
 

@@ -19,7 +19,10 @@ Definitions (the same for Nightwatch and the baseline):
 - cured by: the last remedy matched; right action: it is one of `schedule.cures(fault)`
   (infra faults: no remedy at all is the right action), and an exclusion names the faulty node.
   A fault the trainer contained (its updates skipped, no action) is cured by `contained`: the
-  supervisor's incident for it, which names its samples or node.
+  supervisor's incident for it, which names its samples or node. A time limit cut or a
+  preemption whose job the run left (another fault's remedy started the next attempt in
+  another job, the successor prepared for the stop) before it struck is cured by `moved`
+  (`left_by`), with no recovery time of its own.
 - recovered: (contained) a good step after the fault; else a process group that started after
   the last remedy trained a good step past its resume step (the first such group: a cure
   placed on the next fault's node recovers with the group after that fault's cure);
@@ -95,6 +98,7 @@ class Remedy:
     skips: Skips = ()  # the sample ranges a rollback skipped
     finding_nodes: tuple[str, ...] = ()  # the nodes the finding blamed
     attempt_nodes: tuple[str, ...] = ()  # the nodes of the job it acted on
+    moved_to: str | None = None  # the job its next attempt started in (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -329,19 +333,46 @@ def skipped_for(inj: Injection, mine: Sequence[Remedy], margin: int) -> tuple[in
     return sum(b - a for a, b in union), window + margin
 
 
+def left_by(inj: Injection, t0: float | None, remedies: Sequence[Remedy]) -> Remedy | None:
+    """For a fault done to a job (a time limit cut, a preemption): the first remedy after it
+    that started the run's next attempt in another job, which leaves the fault nothing to
+    strike (a fault during a stop moves the run to the successor prepared for the stop)."""
+    if inj.job_id is None or t0 is None:
+        return None
+    return next(
+        (
+            r
+            for r in remedies
+            if r.t >= t0 and r.job_id == inj.job_id and r.moved_to not in (None, inj.job_id)
+        ),
+        None,
+    )
+
+
 def score_fault(
     inj: Injection,
     t0: float | None,
     mine: Sequence[Remedy],
     progress: Progress,
     skip_margin: int = 0,
+    left: Remedy | None = None,
 ) -> FaultScore:
-    """One fault, with the remedies matched to it (t0 None: it never struck)."""
+    """One fault, with the remedies matched to it (t0 None: it never struck; `left`: the
+    remedy that moved the run off the job this fault was done to)."""
     kind = inj.fault.kind
     if t0 is None:
         return FaultScore(
             kind.value, inj.fault.at_step, None, False, [], False, None, None, False, False,
             None, 0, never_struck(inj, progress),
+        )  # fmt: skip
+    if not mine and left is not None:
+        note = (
+            f"its job {inj.job_id} was left for job {left.moved_to} by the {left.kind} "
+            f"{left.t - t0:.1f} s after it, before it struck"
+        )
+        return FaultScore(
+            kind.value, inj.fault.at_step, t0, True, [], False, None, "moved", True, True,
+            None, 0, "; ".join(n for n in (inj.note, note) if n),
         )  # fmt: skip
     restarts = _restarts(progress, mine)
     lost = steps_lost(progress, restarts)
@@ -536,7 +567,7 @@ def score_system(
                 r for r, o in zip(remedies, owner, strict=True) if o is None and lo <= r.t < hi
             ]
     faults = [
-        score_fault(inj, t, m, progress, skip_margin)
+        score_fault(inj, t, m, progress, skip_margin, left_by(inj, t, remedies))
         for inj, t, m in zip(injections, times, mine, strict=True)
     ]
     false_pos = sum(1 for o in owner if o is None)

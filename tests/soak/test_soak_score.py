@@ -355,6 +355,34 @@ def test_two_faults_in_one_recovery_each_get_their_own_remedy() -> None:
     assert s.false_positives == 0
 
 
+def test_a_time_limit_whose_job_another_remedy_left_strikes_nothing() -> None:
+    """Job 1's limit was cut at t=30, its successor (job 2) prepared; a loss spike at step 40
+    was rolled back into job 2 before the limit came. The cut is scored as moved, not as
+    uncured; had the rollback restarted inside job 1, the limit would still be its own."""
+    p = run([(0, 0, 45, "1/1"), (50, 35, 100, "2/2")])
+    poison = Injection(
+        ScheduledFault(FaultKind.POISON_DATA, 41, {"start_sample": 320, "end_sample": 344}), None
+    )
+    cut = Injection(ScheduledFault(FaultKind.WALLTIME, 30, {}), 30.0, job_id="1")
+    rollback = nw_remedy(47.0, "rollback", "loss_spike", "1", skips=((320, 344),))
+
+    def scored(moved_to: str) -> list:
+        return score_system(
+            "nightwatch", injections=[cut, poison], progress=p,
+            remedies=[replace(rollback, moved_to=moved_to)], escalations=0, submit_t=0.0,
+            end_t=200.0, target_steps=100, reference=REF, reference_submit_t=0.0,
+        ).faults  # fmt: skip
+
+    walltime, spike = scored("2")
+    assert spike.right_action and spike.remedies == ["rollback"]
+    assert walltime.triggered and walltime.right_action and walltime.cured_by == "moved"
+    assert (
+        walltime.remedies == [] and "left for job 2 by the rollback 17.0 s after" in walltime.note
+    )
+    walltime, _ = scored("1")
+    assert walltime.cured_by is None and not walltime.right_action
+
+
 def test_a_remedy_of_another_cause_is_a_false_positive_not_a_cure() -> None:
     """A restart of a job that nothing crashed is no cure for the crash of another job."""
     crash = Injection(ScheduledFault(FaultKind.RANK_CRASH, 45, {"rank": 1}), 45.5, job_id="1")
