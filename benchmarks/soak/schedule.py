@@ -44,6 +44,9 @@ SPEC_FAULTS = frozenset(
 NODE_FAULTS = frozenset(
     {FaultKind.NAN_NODE, FaultKind.HANG, FaultKind.STRAGGLER, FaultKind.NODE_DEATH}
 )
+#: Faults that stop a job: SLURM ends it (a time limit, a preemption), some time after the
+#: signal.
+STOP_FAULTS = frozenset({FaultKind.WALLTIME, FaultKind.PREEMPTION})
 #: Faults of the control plane's own dependencies: the right answer is no remedy at all.
 INFRA_FAULTS = frozenset(
     {FaultKind.PROMETHEUS_RESTART, FaultKind.SLURMCTLD_RESTART, FaultKind.SUPERVISOR_KILL}

@@ -64,7 +64,14 @@ from typing import Any
 
 from benchmarks.soak.progress import Progress, StartEvent, StepEvent, final_trajectory, time_to_step
 from benchmarks.soak.reference import Skips, compare_losses, normalized
-from benchmarks.soak.schedule import INFRA_FAULTS, NODE_FAULTS, FaultKind, ScheduledFault, cures
+from benchmarks.soak.schedule import (
+    INFRA_FAULTS,
+    NODE_FAULTS,
+    STOP_FAULTS,
+    FaultKind,
+    ScheduledFault,
+    cures,
+)
 
 _NUMERIC = frozenset({"nonfinite", "loss_spike", "grad_explosion"})
 _JOB_ENDED = frozenset({"job_failed", "job_lost", "hang"})
@@ -337,7 +344,7 @@ def left_by(inj: Injection, t0: float | None, remedies: Sequence[Remedy]) -> Rem
     """For a fault done to a job (a time limit cut, a preemption): the first remedy after it
     that started the run's next attempt in another job, which leaves the fault nothing to
     strike (a fault during a stop moves the run to the successor prepared for the stop)."""
-    if inj.job_id is None or t0 is None:
+    if inj.fault.kind not in STOP_FAULTS or inj.job_id is None or t0 is None:
         return None
     return next(
         (

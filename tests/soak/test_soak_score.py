@@ -381,6 +381,16 @@ def test_a_time_limit_whose_job_another_remedy_left_strikes_nothing() -> None:
     )
     walltime, _ = scored("1")
     assert walltime.cured_by is None and not walltime.right_action
+    # a fault of the control plane's own is not done to the job: no remedy stays its cure
+    outage = Injection(
+        ScheduledFault(FaultKind.PROMETHEUS_RESTART, 30, {"down_s": 5}), 30.0, job_id="1"
+    )
+    scored_outage, _ = score_system(
+        "nightwatch", injections=[outage, poison], progress=p,
+        remedies=[replace(rollback, moved_to="2")], escalations=0, submit_t=0.0, end_t=200.0,
+        target_steps=100, reference=REF, reference_submit_t=0.0,
+    ).faults  # fmt: skip
+    assert scored_outage.cured_by is None and scored_outage.right_action
 
 
 def test_a_remedy_of_another_cause_is_a_false_positive_not_a_cure() -> None:
