@@ -29,7 +29,7 @@ from supervisor.slurm import JobState, JobStatus, LiveJob
 from supervisor.watchdog import actions, reconciler, reserves
 from supervisor.watchdog.reconciler import Reconciler, WatchdogConfig
 from supervisor.watchdog.reserves import Reserve
-from supervisor.watchdog.snapshot import RemedyKind
+from supervisor.watchdog.snapshot import Remedy, RemedyKind
 from supervisor.watchdog.strays import RunJobs, find_strays
 
 SPEC = copy.deepcopy(TINY_SPEC)
@@ -95,6 +95,23 @@ class Swapped:
     def order(self):
         return read_order(job_control_dir(run_dir(self.home, self.run_id), self.job))
 
+    def reserve_running(self) -> str:
+        """The reserve job the used spare calls for, submitted and started by SLURM."""
+        self.rec.tick()
+        reserve_id = self.cluster.submitted[-1][0]
+        self.cluster.set(reserve_id, JobState.RUNNING)
+        self.rec.tick()
+        return reserve_id
+
+    def nan_on_n1(self) -> Remedy:
+        """n1 makes NaN past the steps n2's attempt reached: the next node fault."""
+        self.source.samples[(self.run_id, 2)] = simulate(2, steps=90, steps_per_sample=2)
+        write_checkpoint(self.ckpt, 80, 640)
+        nan_on(self.ckpt, 2, "n1", (85, 86))
+        remedy = self.rec.tick().remedies[self.run_id]
+        self.source.samples[(self.run_id, 3)] = simulate(3, steps=90, steps_per_sample=2)
+        return remedy
+
 
 def test_a_used_spare_is_refilled_by_a_reserve_job_recorded_first(
     db: Database, tmp_path: Path
@@ -130,24 +147,16 @@ def test_the_next_node_fault_moves_to_the_reserve_inside_the_job(
     db: Database, tmp_path: Path
 ) -> None:
     w = Swapped(db, tmp_path)
-    w.rec.tick()
-    reserve_id = w.cluster.submitted[-1][0]
+    reserve_id = w.reserve_running()
     assert w.cluster.states[reserve_id].nodes == ("n4",)
-    w.cluster.set(reserve_id, JobState.RUNNING)
-    w.rec.tick()
     assert len(w.cluster.submitted) == 2  # the reserve is the job's spare: nothing missing
-    # past the steps n2's attempt reached: n1's own NaN, not the same data again
-    w.source.samples[(w.run_id, 2)] = simulate(2, steps=90, steps_per_sample=2)
-    write_checkpoint(w.ckpt, 80, 640)
-    nan_on(w.ckpt, 2, "n1", (85, 86))
-    remedy = w.rec.tick().remedies[w.run_id]
+    remedy = w.nan_on_n1()
     assert remedy.kind is RemedyKind.EXCLUDE_NODE and remedy.exclude_nodes == ("n1",)
     assert w.cluster.cancelled == [] and len(w.cluster.submitted) == 2  # no resubmission
     order = w.order()
     assert order is not None and order.attempt == 3 and order.nodes == ("n4", "n3")
     assert attempts(db, w.run_id)[-1].job_id == w.job
     assert attempts(db, w.run_id)[-1].nodes_json == ["n4", "n3"]
-    w.source.samples[(w.run_id, 3)] = simulate(3, steps=90, steps_per_sample=2)
     w.rec.tick()  # spares used again: the next reserve excludes every node seen so far
     assert len(w.cluster.submitted) == 3
     _, request = w.cluster.submitted[-1]
@@ -162,20 +171,10 @@ def test_a_stop_signal_cancels_the_idle_reserves_and_not_the_one_running_ranks(
     prepares the successor. The idle reserve (n5) makes way for it; the one running ranks
     is kept: the attempt trains on until the successor takes over."""
     w = Swapped(db, tmp_path)
-    w.rec.tick()
-    first = w.cluster.submitted[-1][0]
-    w.cluster.set(first, JobState.RUNNING)
-    w.rec.tick()
-    w.source.samples[(w.run_id, 2)] = simulate(2, steps=90, steps_per_sample=2)
-    write_checkpoint(w.ckpt, 80, 640)
-    nan_on(w.ckpt, 2, "n1", (85, 86))
-    assert w.rec.tick().remedies[w.run_id].exclude_nodes == ("n1",)
-    w.source.samples[(w.run_id, 3)] = simulate(3, steps=90, steps_per_sample=2)
-    w.rec.tick()
-    second = w.cluster.submitted[-1][0]
+    w.reserve_running()
+    assert w.nan_on_n1().exclude_nodes == ("n1",)
+    second = w.reserve_running()
     assert w.cluster.states[second].nodes == ("n5",)
-    w.cluster.set(second, JobState.RUNNING)
-    w.rec.tick()
     anomalies.append(w.ckpt, anomalies.Anomaly(3, 88, anomalies.STOP_SIGNAL, t=time.time()))
     w.rec.tick()
     successor, request = w.cluster.submitted[-1]
@@ -203,10 +202,7 @@ def test_a_stopping_jobs_reserve_makes_way_for_its_successor(db: Database, tmp_p
     successor may be waiting for) is cancelled as a stray in the same tick, recorded with
     its reason, and no new reserve refills the spares of a job that stops."""
     w = Swapped(db, tmp_path)
-    w.rec.tick()
-    reserve_id = w.cluster.submitted[-1][0]
-    w.cluster.set(reserve_id, JobState.RUNNING)
-    w.rec.tick()
+    reserve_id = w.reserve_running()
     anomalies.append(w.ckpt, anomalies.Anomaly(2, 80, anomalies.STOP_SIGNAL, t=time.time()))
     w.rec.tick()
     successor, request = w.cluster.submitted[-1]
