@@ -381,7 +381,7 @@ def test_ranks_that_fail_while_their_job_stops_restart_in_its_successor(
     """A rank crashed while the ranks trained on through a stop signal: the next attempt
     starts in the prepared successor by an order, not inside the ending job (whose new
     ranks would not know of the signal), and the ending job is stopped."""
-    rec, cluster, run_id, job, spec = stopping(db, tmp_path)
+    rec, cluster, run_id, job, _spec = stopping(db, tmp_path)
     rec.tick()
     successor = cluster.submitted[-1][0]
     cluster.set(successor, JobState.RUNNING)
