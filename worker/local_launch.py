@@ -50,7 +50,7 @@ def free_port() -> int:
     """
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(FREE_PORTS.start, FREE_PORTS.stop)
+        port = rng.choice(FREE_PORTS)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

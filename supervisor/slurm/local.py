@@ -125,12 +125,14 @@ class LocalCluster:
     def live_jobs(self, prefix: str) -> dict[str, LiveJob]:
         """This process's running jobs named `prefix…` (a local job dies with its supervisor
         only if its process group is killed; one left by an earlier process is not seen)."""
-        statuses = {job_id: self._status(job_id) for job_id in self._names}
-        return {
-            job_id: LiveJob(name, statuses[job_id].nodes)
-            for job_id, name in self._names.items()
-            if name.startswith(prefix) and statuses[job_id].state is JobState.RUNNING
-        }
+        out = {}
+        for job_id, name in self._names.items():
+            if not name.startswith(prefix):
+                continue
+            status = self._status(job_id)
+            if status.state is JobState.RUNNING:
+                out[job_id] = LiveJob(name, status.nodes)
+        return out
 
     def requeue(self, job_id: str) -> None:
         raise Unsupported("the local executor cannot requeue; resubmit instead")

@@ -667,10 +667,9 @@ class Actuator:
             fleet = store.fleet_excluded_nodes(s)
         if begun is not None:
             return InJob(begun.target, tuple(begun.evidence_json.get("nodes", ())))
-        if remedy.kind.resubmits:
-            successor = self._successor(ctx.run_id, ctx.attempt + 1)
-            if successor is not None:
-                return InJob(successor)
+        successor = self._successor(ctx.run_id, ctx.attempt + 1)
+        if successor is not None:
+            return InJob(successor)
         if remedy.kind is RemedyKind.REQUEUE:
             return None
         spec = RunSpec.model_validate(run.spec_json)

@@ -119,14 +119,19 @@ def test_a_rollback_restarts_the_running_job_in_place(db: Database, tmp_path: Pa
     assert get_run(db, run_id).current_attempt == 2
 
 
-def test_ranks_that_failed_in_a_running_job_are_restarted_inside_it(
-    db: Database, tmp_path: Path
-) -> None:
-    rec, cluster, _source, run_id, job = running(db, tmp_path)
+def ranks_failed(tmp_path: Path, run_id: str, job: str) -> None:
+    """Attempt 1's ranks in `job` ended with failures (rank 1 killed, rank 0 after it)."""
     folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
     folder.mkdir(parents=True)
     exit_code_path(folder, job, 1).write_text("9")
     exit_code_path(folder, job, 0).write_text("1")
+
+
+def test_ranks_that_failed_in_a_running_job_are_restarted_inside_it(
+    db: Database, tmp_path: Path
+) -> None:
+    rec, cluster, _source, run_id, job = running(db, tmp_path)
+    ranks_failed(tmp_path, run_id, job)
     result = rec.tick()
     assert [f.kind for f in result.findings[run_id]] == [FindingKind.JOB_FAILED]
     assert result.remedies[run_id].kind is RemedyKind.RESTART
@@ -385,10 +390,7 @@ def test_ranks_that_fail_while_their_job_stops_restart_in_its_successor(
     rec.tick()
     successor = cluster.submitted[-1][0]
     cluster.set(successor, JobState.RUNNING)
-    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
-    folder.mkdir(parents=True)
-    exit_code_path(folder, job, 1).write_text("9")
-    exit_code_path(folder, job, 0).write_text("1")
+    ranks_failed(tmp_path, run_id, job)
     assert rec.tick().remedies[run_id].kind is RemedyKind.RESTART
     assert len(cluster.submitted) == 2 and cluster.cancelled == [job]
     first, second = attempts(db, run_id)
