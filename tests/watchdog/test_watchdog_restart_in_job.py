@@ -17,7 +17,7 @@ from sqlalchemy import select
 from watchdog_curves import Faults, simulate
 from watchdog_fakes import TINY_SPEC, Crash, FakeCluster, FakeSource, write_checkpoint
 
-from contracts import anomalies
+from contracts import anomalies, exitcodes
 from contracts.checkpoints import SaveTiming, write_save_timing
 from contracts.paths import attempt_log_dir, checkpoint_dir, run_dir
 from contracts.restart import exit_code_path, job_control_dir, read_order
@@ -119,12 +119,17 @@ def test_a_rollback_restarts_the_running_job_in_place(db: Database, tmp_path: Pa
     assert get_run(db, run_id).current_attempt == 2
 
 
+def ranks_exited(tmp_path: Path, run_id: str, job: str, codes: dict[int, int]) -> None:
+    """Attempt 1's ranks in `job` recorded these exit codes (rank → code), as node tasks do."""
+    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank, code in codes.items():
+        exit_code_path(folder, job, rank).write_text(str(code))
+
+
 def ranks_failed(tmp_path: Path, run_id: str, job: str) -> None:
     """Attempt 1's ranks in `job` ended with failures (rank 1 killed, rank 0 after it)."""
-    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
-    folder.mkdir(parents=True)
-    exit_code_path(folder, job, 1).write_text("9")
-    exit_code_path(folder, job, 0).write_text("1")
+    ranks_exited(tmp_path, run_id, job, {1: 9, 0: 1})
 
 
 def test_ranks_that_failed_in_a_running_job_are_restarted_inside_it(
@@ -273,14 +278,11 @@ def test_ranks_that_all_checkpointed_on_a_stop_signal_are_requeued_before_slurm_
     rec, cluster, _source, run_id, job = running(db, tmp_path)
     spec = RunSpec.model_validate(SPEC)
     write_checkpoint(checkpoint_dir(tmp_path / "home", run_id, spec), 300, 2400)
-    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
-    folder.mkdir(parents=True)
-    codes = [exit_code_path(folder, job, rank) for rank in range(spec.resources.world_size)]
-    for path in codes[:-1]:
-        path.write_text("75")
+    last = spec.resources.world_size - 1
+    ranks_exited(tmp_path, run_id, job, dict.fromkeys(range(last), exitcodes.REQUEUE))
     rec.tick()
     assert len(cluster.submitted) == 1 and attempts(db, run_id)[0].state is AttemptState.RUNNING
-    codes[-1].write_text("0")  # a rank at its last step finished: still a requeue
+    ranks_exited(tmp_path, run_id, job, {last: 0})  # a rank at its last step finished: a requeue
     result = rec.tick()
     assert result.remedies[run_id].kind is RemedyKind.REQUEUE
     assert len(cluster.submitted) == 2 and cluster.cancelled == [job]
@@ -342,10 +344,8 @@ def stopping(db: Database, tmp_path: Path) -> tuple:
 
 
 def all_checkpointed(tmp_path: Path, run_id: str, job: str, spec: RunSpec) -> None:
-    folder = attempt_log_dir(tmp_path / "home", run_id, 1) / job
-    folder.mkdir(parents=True, exist_ok=True)
-    for rank in range(spec.resources.world_size):
-        exit_code_path(folder, job, rank).write_text("75")
+    every_rank = range(spec.resources.world_size)
+    ranks_exited(tmp_path, run_id, job, dict.fromkeys(every_rank, exitcodes.REQUEUE))
 
 
 def test_a_stop_signal_prepares_the_next_job_and_the_requeue_starts_it_by_order(
