@@ -30,6 +30,9 @@ _PREFIX = "iter_"
 _TMP_PREFIX = ".tmp_iter_"
 PINS_NAME = "pins"
 COMPILE_CACHE_NAME = ".compile_cache"
+#: A rank's write results in a save's temp dir (then the rank and `.pkl`): the save's finalize
+#: reads and removes it before the publish.
+WRITE_RESULTS_PREFIX = ".write-results-rank"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ import os
 import pickle
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -159,7 +158,7 @@ def _unpack_buckets(compact: torch.Tensor, buffer: object) -> torch.Tensor:
 
 
 class _FileQueue:
-    """megatron's write-results queue as one pickle file per save.
+    """megatron's write-results queue as one pickle file per save and rank.
 
     megatron-core 0.19.2's writer threads put their results (or an exception) in a module-wide
     queue, which the finalize step reads after the writes. Its default is a queue of a spawned
@@ -188,12 +187,14 @@ class _FileQueue:
         return pickle.loads(data)
 
 
-def _results_queue(step: int) -> None:
-    """A fresh results file for this save, named by process and step."""
+def _results_queue(target: Target) -> None:
+    """A fresh results file for this save and rank, in the save's temp dir: the finalize reads
+    and removes it before the publish, and a save that never finishes leaves it where the
+    temp dir's removal takes it (nothing accumulates in the nodes' /tmp)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    name = f"nightwatch-write-results-{os.getpid()}-{step}.pkl"
-    filesystem_async._results_queue = _FileQueue(Path(tempfile.gettempdir()) / name)
+    name = f"{ck.WRITE_RESULTS_PREFIX}{torch.distributed.get_rank()}.pkl"
+    filesystem_async._results_queue = _FileQueue(ck.tmp_dir(target.root, target.step) / name)
 
 
 def _barrier() -> None:
@@ -298,8 +299,8 @@ class Writer:
     def _prepare(
         self, model: list, optimizer: object, target: Target, phases: Phases
     ) -> tuple[dict, SaveStrategy, bool]:
-        _results_queue(target.step)
         _fresh_tmp(target)
+        _results_queue(target)
         phases.mark("fresh_dir")
         state = _state_dict(
             model, optimizer, is_loading=False, optimizer_format=self.optimizer_format

@@ -74,6 +74,12 @@ def test_async_save_trains_and_writes_like_sync(runs) -> None:
         if names:
             differ[step] = names
     assert differ == {}
+    published = [
+        p.name
+        for s in (2, 4, 6, 8)
+        for p in checkpoints.step_dir(runs["root"] / "async", s).iterdir()
+    ]
+    assert not [n for n in published if n.startswith(checkpoints.WRITE_RESULTS_PREFIX)]
 
 
 def test_resume_from_an_async_checkpoint_is_exact(runs) -> None:
