@@ -3,6 +3,7 @@ only after its forked writer finished (one gloo rank)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,25 @@ def test_a_save_is_finalized_once_and_only_after_its_writer_finished(tmp_path: P
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_an_async_checkpoint_holds_the_state_at_its_start_while_steps_change_it(
+    tmp_path: Path,
+) -> None:
+    """Two gloo ranks (benchmarks/ckpt_save.py on CPU): each async save is followed by real
+    optimizer updates while it is written, then loaded back; every parameter and Adam moment
+    loaded equals the state when the save started, in both optimizer formats. Unlike the
+    trainer's sync-against-async comparison (test_async_save.py), this needs no two runs to
+    compute alike: the snapshot and the loaded state are compared within one process."""
+    out = tmp_path / "ckpt_save.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/ckpt_save.py", "--size", "tiny", "--nproc", "2",
+         "--repeats", "1", "--paths", "async", "--work", str(tmp_path / "work"),
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    repeats = json.loads(out.read_text())["repeats"]
+    for fmt in ("fully_sharded_model_space", "fully_reshardable"):
+        assert repeats[f"exact:{fmt}"] == [True]
+        assert repeats[f"async:{fmt}"][0]["steps_meanwhile"] >= 1
