@@ -146,13 +146,41 @@ def _steps_seen(points: Sequence[MetricSample], first_own: int = 0) -> int:
     needs steps watched, not scrapes. A sample opening a segment (the first, or this
     attempt's first after the prior) counts its own step only: its process's window may
     not reach back to the previous sample."""
-    seen = 0
-    for i, p in enumerate(points):
-        if i in (0, first_own) or not finite(p.loss_window_min):
-            seen += 1
+    return _window_seen(_seen_prefix(points, first_own), 0, len(points))
+
+
+def _seen_prefix(points: Sequence[MetricSample], first_own: int = 0) -> list[int]:
+    """`cum[k]`: the steps samples 1..k add to a window that opens at sample 0, so that any
+    window `points[j:i]` watched `_window_seen(cum, j, i)` steps (`_steps_seen`): the hard
+    spike rule asks it of every sample's trailing window, once each."""
+    cum = [0]
+    for k in range(1, len(points)):
+        p = points[k]
+        if k == first_own or not finite(p.loss_window_min):
+            cum.append(cum[-1] + 1)
         else:
-            seen += max(1, min((p.step or 0) - (points[i - 1].step or 0), WINDOW_STEPS))
-    return seen
+            gap = (p.step or 0) - (points[k - 1].step or 0)
+            cum.append(cum[-1] + max(1, min(gap, WINDOW_STEPS)))
+    return cum
+
+
+def _window_seen(cum: Sequence[int], j: int, i: int) -> int:
+    """The steps the window `points[j:i]` watched, from `_seen_prefix`: its first sample's own
+    step, and what each later one adds."""
+    return 1 + cum[i - 1] - cum[j] if i > j else 0
+
+
+def _baseline_starts(points: Sequence[MetricSample], rc: RecoverySpec) -> list[int]:
+    """`starts[i]`: where `_baseline(points, i, rc)` begins, for every `i` at once (the steps
+    rise, so each window starts at or after the one before)."""
+    starts = [0]
+    j = 0
+    for i in range(1, len(points) + 1):
+        first_step = (points[i - 1].step or 0) - rc.loss_spike_window
+        while (points[j].step or 0) < first_step:
+            j += 1
+        starts.append(j if i - j >= BASELINE_MIN_POINTS else max(0, i - BASELINE_MIN_POINTS))
+    return starts
 
 
 def _baseline(points: Sequence[MetricSample], end: int, rc: RecoverySpec) -> list[MetricSample]:
@@ -263,11 +291,14 @@ def _hard_spike(
     still worth skipping (Megatron acts on it too)."""
     latest = points[-1]
     factor = rc.loss_spike_hard_factor
+    starts, cum = _baseline_starts(points, rc), _seen_prefix(points, first_own)
+    losses = [p.loss for p in points]
     for i in range(max(1, first_own), len(points)):
-        baseline = _baseline(points, i, rc)
-        if _steps_seen(baseline, first_own - (i - len(baseline))) < MIN_BASELINE_STEPS:
+        j = starts[i]  # the trailing window is points[j:i] (`_baseline`)
+        if _window_seen(cum, j, i) < MIN_BASELINE_STEPS:
             continue
-        ref = max(p.loss for p in baseline)  # type: ignore[type-var]
+        baseline = points[j:i]
+        ref = max(losses[j:i])  # type: ignore[type-var]
         thr = factor * ref  # type: ignore[operator]
         if ref <= 0:
             continue
