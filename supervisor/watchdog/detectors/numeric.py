@@ -171,8 +171,10 @@ def _window_seen(cum: Sequence[int], j: int, i: int) -> int:
 
 
 def _baseline_starts(points: Sequence[MetricSample], rc: RecoverySpec) -> list[int]:
-    """`starts[i]`: where `_baseline(points, i, rc)` begins, for every `i` at once (the steps
-    rise, so each window starts at or after the one before)."""
+    """`starts[i]`: where the baseline of index `i` begins (`_baseline`), for every `i` at
+    once: the trailing `loss_spike_window` steps, or the last BASELINE_MIN_POINTS samples
+    when scrapes are sparse. The steps rise, so each window starts at or after the one
+    before."""
     starts = [0]
     j = 0
     for i in range(1, len(points) + 1):
@@ -187,11 +189,7 @@ def _baseline(points: Sequence[MetricSample], end: int, rc: RecoverySpec) -> lis
     """The trailing `loss_spike_window` steps before index `end`; when scrapes are sparse
     (few samples in that many steps), the last BASELINE_MIN_POINTS samples instead."""
     head = points[:end]
-    if not head:
-        return []
-    first_step = (head[-1].step or 0) - rc.loss_spike_window
-    window = [p for p in head if (p.step or 0) >= first_step]
-    return window if len(window) >= BASELINE_MIN_POINTS else list(head[-BASELINE_MIN_POINTS:])
+    return list(head[_baseline_starts(head, rc)[-1] :])
 
 
 def detect_loss_spike(snap: Snapshot, rc: RecoverySpec) -> list[Finding]:
