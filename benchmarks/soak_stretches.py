@@ -24,6 +24,7 @@ from pathlib import Path
 
 from benchmarks.soak.progress import Progress, parse_lines
 from benchmarks.soak.score import pace_s
+from contracts.logs import json_records
 from worker.priority import IMPORTING_LAST
 
 #: Steps a pace window spans (the soak's `pace_window`).
@@ -99,13 +100,7 @@ def idle_imports(logs: Iterable[Path]) -> list[tuple[float, float]]:
     out = []
     for path in logs:
         start = None
-        for line in path.read_text(errors="replace").splitlines():
-            if not line.startswith('{"ts"') or '"msg"' not in line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        for rec in json_records(path.read_text(errors="replace").splitlines(), "msg"):
             if str(rec["msg"]).startswith(IMPORTING_LAST):
                 start = float(rec["ts"])
             elif start is not None:

@@ -23,7 +23,6 @@ Phases (each starts its own ranks through worker.local_launch):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import shutil
@@ -37,6 +36,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from contracts.logs import log_events  # noqa: E402
 from contracts.spec import RunSpec  # noqa: E402
 from megatron_runs.schedule import H100_BF16_PEAK, flops_per_token  # noqa: E402
 from worker.local_launch import launch  # noqa: E402
@@ -93,12 +93,7 @@ def gpt(
 
 
 def _events(log: Path) -> list[dict]:
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"event"' in line:
-            with contextlib.suppress(json.JSONDecodeError):
-                out.append(json.loads(line))
-    return out
+    return log_events(log.read_text(errors="replace"))
 
 
 def run(

@@ -1,8 +1,8 @@
 """JSON-lines logging carrying run_id / attempt / job_id when the caller knows them.
 
 Pass context with `extra={"run_id": ..., "attempt": ..., "job_id": ...}`. Nothing here ever
-formats request headers, so bearer tokens cannot reach a log line. `log_events` reads the
-trainer's own JSON-lines events back from a rank's log.
+formats request headers, so bearer tokens cannot reach a log line. `json_records` reads such
+lines back (`log_events`: the trainer's own events in a rank's log).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterable, Iterator
 
 CONTEXT_FIELDS = ("run_id", "attempt", "job_id", "method", "path", "status", "duration_ms")
 
@@ -65,14 +66,21 @@ def configure_logging(level: int = logging.INFO) -> None:
     logging.Formatter.converter = time.gmtime
 
 
+def json_records(lines: Iterable[str], key: str = "event") -> Iterator[dict]:
+    """The JSON-lines records among `lines` that carry `key` (each opens with `"ts"`, as
+    `JsonFormatter` and the trainer's event log write them): other output and torn lines
+    skipped. A node's ranks share its log, so another rank's unterminated output
+    (a C++ warning, a traceback written in pieces) can stand before a record on its line."""
+    for line in lines:
+        start = line.find('{"ts"')
+        if start < 0 or f'"{key}"' not in line:
+            continue
+        try:
+            yield json.loads(line[start:])
+        except json.JSONDecodeError:
+            continue
+
+
 def log_events(text: str) -> list[dict]:
-    """The trainer's JSON-lines events (`{"event": ...}`) in a rank's log: other output and
-    torn lines skipped."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{") and '"event"' in line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    """The trainer's JSON-lines events (`{"event": ...}`) in a rank's log."""
+    return list(json_records(text.splitlines()))

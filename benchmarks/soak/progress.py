@@ -8,11 +8,12 @@ arithmetic are pure; `LogFollower` is the only part that reads files.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from contracts.logs import json_records
 
 
 @dataclass(frozen=True)
@@ -86,17 +87,7 @@ def _int(value: object) -> int | None:
 def parse_lines(lines: Iterable[str]) -> Progress:
     """Keep the trainer's `train_start` and `step` records; ignore everything else."""
     out = Progress()
-    for line in lines:
-        # A node's ranks share its log: another rank's unterminated output (a C++ warning, a
-        # traceback written in pieces) can stand before a record on its line.
-        start = line.find('{"ts"')
-        if start < 0 or '"event"' not in line:
-            continue
-        line = line[start:].strip()
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for rec in json_records(lines):
         event = rec.get("event")
         if event == "train_start":
             out.starts.append(

@@ -102,7 +102,7 @@ def test_local_gpus_follow_cuda_visible_devices() -> None:
 
 
 def _line(event: str, **fields: object) -> str:
-    return json.dumps({"event": event, **fields})
+    return json.dumps({"ts": 1.0, "event": event, **fields})  # as the trainer writes it
 
 
 def _log(plan_features: dict, steps: dict[int, float], saved: list[int], loaded: list[int]) -> str:
