@@ -67,14 +67,19 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 
 def json_records(lines: Iterable[str], key: str = "event") -> Iterator[dict]:
-    """The JSON-lines records among `lines` that carry `key` (each opens with `"ts"`, as
-    `JsonFormatter` and the trainer's event log write them): other output and torn lines
-    skipped. A node's ranks share its log, so another rank's unterminated output
-    (a C++ warning, a traceback written in pieces) can stand before a record on its line."""
+    """The JSON-lines records among `lines` that carry `key`: other output and torn lines
+    skipped. A record opens with `"ts"` (as `JsonFormatter` and the trainer's event log write
+    it), so it is found even behind another rank's unterminated output on its line (a node's
+    ranks share its log: a C++ warning, a traceback written in pieces); a line that is one
+    record without `"ts"` (an older trainer's) is read too."""
     for line in lines:
-        start = line.find('{"ts"')
-        if start < 0 or f'"{key}"' not in line:
+        if f'"{key}"' not in line:
             continue
+        start = line.find('{"ts"')
+        if start < 0:
+            if not line.startswith("{"):
+                continue
+            start = 0
         try:
             yield json.loads(line[start:])
         except json.JSONDecodeError:

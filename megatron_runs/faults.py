@@ -135,7 +135,8 @@ class Faults:
             return  # another rank of this node pinned it first
         finally:
             tmp.unlink()
-        pinned = {"event": "node_fault_pinned", "node": self.this_node, "job_node": fault.job_node}
+        pinned = {"ts": round(time.time(), 3), "event": "node_fault_pinned",
+                  "node": self.this_node, "job_node": fault.job_node}  # fmt: skip
         sys.stderr.write(json.dumps({**pinned, "effect": fault.effect, "step": step}) + "\n")
         sys.stderr.flush()
 
@@ -150,11 +151,11 @@ class Faults:
             if f.step == step:
                 self._mark_fired(_crash_marker(f))
         if any(f.step == step for f in self.crash) or "crash" in effects:
-            sys.stderr.write(f'{{"event": "injected_crash", "step": {step}}}\n')  # one write
+            sys.stderr.write(_event_line("injected_crash", step))  # one write
             sys.stderr.flush()
             os._exit(exitcodes.INJECTED_CRASH)
         if "hang" in effects:
-            sys.stderr.write(f'{{"event": "injected_hang", "step": {step}}}\n')
+            sys.stderr.write(_event_line("injected_hang", step))
             sys.stderr.flush()
             while True:
                 time.sleep(3600)
@@ -225,3 +226,9 @@ def _crash_marker(fault: CrashFault) -> str:
 
 def _corrupt_marker(fault: CorruptCheckpointFault) -> str:
     return f"corrupt-step{fault.step}.fired"
+
+
+def _event_line(event: str, step: int) -> str:
+    """An event line in the trainer's format (`contracts.logs.json_records` reads it), written
+    here directly: the rank exits or hangs right after it."""
+    return json.dumps({"ts": round(time.time(), 3), "event": event, "step": step}) + "\n"
