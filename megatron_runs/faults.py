@@ -135,9 +135,8 @@ class Faults:
             return  # another rank of this node pinned it first
         finally:
             tmp.unlink()
-        pinned = {"ts": round(time.time(), 3), "event": "node_fault_pinned",
-                  "node": self.this_node, "job_node": fault.job_node}  # fmt: skip
-        sys.stderr.write(json.dumps({**pinned, "effect": fault.effect, "step": step}) + "\n")
+        pinned = {"node": self.this_node, "job_node": fault.job_node, "effect": fault.effect}
+        sys.stderr.write(_event_line("node_fault_pinned", step, **pinned))
         sys.stderr.flush()
 
     def slow_factor(self) -> float:
@@ -228,7 +227,8 @@ def _corrupt_marker(fault: CorruptCheckpointFault) -> str:
     return f"corrupt-step{fault.step}.fired"
 
 
-def _event_line(event: str, step: int) -> str:
+def _event_line(event: str, step: int, **fields: object) -> str:
     """An event line in the trainer's format (`contracts.logs.json_records` reads it), written
-    here directly: the rank exits or hangs right after it."""
-    return json.dumps({"ts": round(time.time(), 3), "event": event, "step": step}) + "\n"
+    here directly: the rank may exit or hang right after it."""
+    line = {"ts": round(time.time(), 3), "event": event, **fields, "step": step}
+    return json.dumps(line) + "\n"
